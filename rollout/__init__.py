@@ -1,0 +1,43 @@
+"""Rollout engines: one small protocol, interchangeable implementations (rollout_engine: hf | vllm).
+
+An engine turns prompt token ids into sampled response token ids. Everything model-specific
+(HF `generate`, vLLM's LLM object) stays inside the engine's own file; train_ppo.py only sees
+this protocol.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1                    # samples per prompt; outputs are prompt-major (p0s0, p0s1, ..., p1s0, ...)
+    temperature: float = 1.0      # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1               # -1 = off (vLLM's convention)
+    max_tokens: int = 16
+    ignore_eos: bool = False      # keep sampling past EOS: fixed-length responses for benchmarks
+
+
+@dataclass
+class RolloutOutput:
+    responses: list[list[int]]             # [B * n] token ids, cut after the first EOS (kept)
+    logprobs: list[list[float]] | None     # the sampler's log-prob of each response token, if known
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput: ...
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def sleep(self) -> None: ...
+    def wake_up(self) -> None: ...
+
+
+def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """Response tokens up to and including the first EOS (generate pads only after an EOS)."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[:i + 1]
+    return tokens

@@ -1,0 +1,1020 @@
+"""PPO for language models in one flat file: verl's algorithm, the Hugging Face stack.
+
+An actor is trained with PPO against a reward (a verifier function or a reward model), with a
+critic for GAE (or a critic-free estimator), a frozen reference model for KL regularisation (KL
+in the reward with a fixed or adaptive controller, and/or KL as a loss; see kl/), dual-clip,
+value clipping, entropy bonus and gradient clipping. The math is verl 0.9.1's, written below as
+pure functions; one iteration is the numbered phases of `main`.
+
+    python train_ppo.py                                    # built-in demo: tiny model, arithmetic, CPU
+    python train_ppo.py --config configs/demo.yaml --total_training_steps=20 --output_dir runs/x
+    accelerate launch --config_file accelerate_configs/zero3.yaml train_ppo.py --config configs/X.yaml
+
+Outputs: <output_dir>/config.yaml, <output_dir>/metrics.jsonl (one line per step), an MLflow run
+(local SQLite store unless MLFLOW_TRACKING_URI says otherwise) and <output_dir>/final/ (the actor
+in Hugging Face format).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import json
+import math
+import os
+import sys
+import time
+import typing
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import kl
+from rollout import SamplingParams
+
+HERE = Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------------------------------------------
+# Config: one flat dataclass. Defaults (the demo) <- YAML file(s) (--config) <- --key=value.
+# ----------------------------------------------------------------------------------------------
+def opt(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # models
+    model_path: str = opt(str(HERE / "examples/demo_model"), "actor (policy) model directory, Hugging Face format")
+    critic_model_path: str = opt("", "critic backbone; a value head is added. '' = the actor's initial weights")
+    ref_model_path: str = opt("", "frozen reference model for KL. '' = the actor's initial weights")
+    reward_model_path: str = opt("", "reward model (sequence classifier, 1 label); when set, replaces reward_fn")
+    reward_fn: str = opt("rewards.arithmetic:compute_score", "'module:function' called as fn(prompts, responses) -> list of floats")
+    reward_clip: float = opt(0.0, "clip each sequence score to [-reward_clip, reward_clip]; 0 = off")
+    dtype: str = opt("fp32", "fp32 | bf16 (bf16 autocast for forward passes; weights and optimizer stay fp32)")
+    # data
+    train_files: str = opt(str(HERE / "examples/data/train.parquet"), "training prompts: parquet or jsonl files, comma-separated")
+    val_files: str = opt(str(HERE / "examples/data/val.parquet"), "validation prompts (same format); '' = no validation")
+    prompt_key: str = opt("prompt", "column holding the prompt: a string, or a list of chat messages")
+    max_prompt_length: int = opt(16, "prompt tokens at most")
+    prompt_truncation: str = opt("error", "what to do with a longer prompt: error | left (keep its last tokens)")
+    max_response_length: int = opt(4, "response tokens at most")
+    # run
+    output_dir: str = opt("runs/demo", "where config.yaml, metrics.jsonl and final/ go")
+    seed: int = opt(0, "seed for data order, sampling and initialisation")
+    total_training_steps: int = opt(60, "PPO iterations")
+    train_batch_size: int = opt(64, "prompts per iteration (all ranks together)")
+    test_freq: int = opt(10, "validate every N steps (and after the last); -1 = never")
+    val_before_train: bool = opt(True, "validate before the first step (logged as step 0)")
+    mlflow_tracking_uri: str = opt("", "MLflow tracking URI; '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir")
+    mlflow_experiment: str = opt("ppo", "MLflow experiment name")
+    run_name: str = opt("", "MLflow run name; '' = the output_dir's name")
+    log_samples: int = opt(16, "validation generations logged to MLflow as a table, per validation")
+    # rollout
+    rollout_engine: str = opt("hf", "hf (generate on the actor itself) | vllm")
+    rollout_n: int = opt(4, "responses sampled per prompt")
+    rollout_ignore_eos: bool = opt(False, "keep sampling past EOS (fixed-length responses, for benchmarks)")
+    rollout_micro_batch_size: int = opt(256, "sequences per generate() call (hf engine)")
+    temperature: float = opt(1.0, "sampling temperature for rollouts; log-probs use the same temperature")
+    top_p: float = opt(1.0, "nucleus sampling for rollouts")
+    top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")
+    val_temperature: float = opt(0.0, "sampling temperature for validation; 0 = greedy")
+    # optimisation
+    actor_lr: float = opt(1e-4, "actor learning rate (AdamW)")
+    critic_lr: float = opt(1e-4, "critic learning rate (AdamW)")
+    weight_decay: float = opt(0.0, "AdamW weight decay, actor and critic")
+    lr_warmup_steps: int = opt(0, "linear learning-rate warmup over this many steps, then constant")
+    max_grad_norm: float = opt(1.0, "actor gradient clipping (global norm)")
+    critic_max_grad_norm: float = opt(1.0, "critic gradient clipping (global norm)")
+    critic_warmup: int = opt(0, "train only the critic for this many steps first")
+    ppo_epochs: int = opt(2, "passes over each iteration's rollouts")
+    ppo_mini_batch_size: int = opt(32, "prompts per optimizer step (x rollout_n sequences)")
+    ppo_micro_batch_size_per_device: int = opt(128, "sequences per forward/backward on one device")
+    # advantages and rewards
+    adv_estimator: str = opt("gae", "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline")
+    norm_adv_by_std_in_grpo: bool = opt(True, "grpo: divide by the group's std (False = Dr. GRPO)")
+    gamma: float = opt(1.0, "discount")
+    lam: float = opt(0.95, "GAE lambda")
+    use_kl_in_reward: bool = opt(True, "subtract kl_coef * KL(actor || ref) from the token rewards")
+    kl_penalty: str = opt("kl", "estimator for KL in the reward: kl/k1, abs, mse/k2, low_var_kl/k3 (+ variants)")
+    kl_ctrl_type: str = opt("fixed", "KL-in-reward coefficient: fixed | adaptive")
+    kl_coef: float = opt(0.001, "KL-in-reward coefficient (the adaptive controller's initial value)")
+    target_kl: float = opt(0.1, "adaptive controller: the KL it steers towards")
+    kl_horizon: int = opt(10000, "adaptive controller: horizon (in sequences)")
+    use_kl_loss: bool = opt(False, "add kl_loss_coef * KL(actor || ref) to the actor loss")
+    kl_loss_coef: float = opt(0.001, "KL-loss coefficient")
+    kl_loss_type: str = opt("low_var_kl", "estimator for the KL loss (same names as kl_penalty)")
+    # losses
+    clip_ratio: float = opt(0.2, "PPO clip range; the default for clip_ratio_low and clip_ratio_high")
+    clip_ratio_low: typing.Optional[float] = opt(None, "lower clip range (ratio >= 1 - low); None = clip_ratio")
+    clip_ratio_high: typing.Optional[float] = opt(None, "upper clip range (ratio <= 1 + high); None = clip_ratio")
+    clip_ratio_c: float = opt(3.0, "dual-clip constant (> 1) bounding the loss where advantages are negative")
+    cliprange_value: float = opt(0.5, "value clipping around the old values")
+    entropy_coeff: float = opt(0.0, "entropy bonus coefficient")
+    loss_agg_mode: str = opt("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm")
+
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+class UserError(Exception):
+    """Bad input (config, data, reward): reported as one clear line, no traceback."""
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Defaults <- each --config YAML in order <- --key=value / --key value overrides."""
+    argv = sys.argv[1:] if argv is None else argv
+    pairs = _parse_cli(argv)
+    values: dict = {}
+    for key, val in pairs:
+        if key == "config":
+            values.update(_read_yaml(val))
+    for key, val in pairs:
+        if key != "config":
+            values[key] = val
+    cfg = Config(**{k: _coerce(k, v) for k, v in values.items()})
+    validate_config(cfg)
+    return cfg
+
+
+def _parse_cli(argv: list[str]) -> list[tuple[str, str]]:
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise UserError(f"unexpected argument {arg!r}: use --key=value or --key value")
+        if "=" in arg:
+            key, val = arg[2:].split("=", 1)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            key, val, i = arg[2:], argv[i + 1], i + 1
+        else:
+            raise UserError(f"{arg} has no value: use {arg}=VALUE")
+        pairs.append((key.replace("-", "_"), val))
+        i += 1
+    return pairs
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+    if not Path(path).is_file():
+        raise UserError(f"config file {path} does not exist")
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must be a mapping of key: value, got {type(data).__name__}")
+    return data
+
+
+def _coerce(key: str, value):
+    hints = typing.get_type_hints(Config)
+    if key not in hints:
+        close = difflib.get_close_matches(key, list(hints), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UserError(f"unknown config key {key!r}{hint} (python train_ppo.py --help lists them)")
+    kind = hints[key]
+    optional = typing.get_origin(kind) is typing.Union
+    if optional:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes"):
+                return True
+            if str(value).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except ValueError:
+        raise UserError(f"config key {key!r} expects {kind.__name__}, got {value!r}") from None
+
+
+def validate_config(cfg: Config) -> None:
+    """Everything checkable before a model loads; each message names the key and the value."""
+    def need(ok, msg):
+        if not ok:
+            raise UserError(msg)
+
+    for key in ("train_batch_size", "total_training_steps", "rollout_n", "ppo_epochs", "ppo_mini_batch_size",
+                "ppo_micro_batch_size_per_device", "max_prompt_length", "max_response_length", "rollout_micro_batch_size"):
+        need(getattr(cfg, key) > 0, f"{key} must be > 0, got {getattr(cfg, key)}")
+    need(cfg.clip_ratio_c > 1, f"clip_ratio_c must be > 1, got {cfg.clip_ratio_c}")
+    need(cfg.kl_ctrl_type in kl.CONTROLLERS, f"kl_ctrl_type must be one of {sorted(kl.CONTROLLERS)}, got {cfg.kl_ctrl_type!r}")
+    if cfg.use_kl_in_reward and cfg.kl_ctrl_type == "adaptive":
+        need(cfg.target_kl > 0, f"target_kl must be > 0 with kl_ctrl_type=adaptive, got {cfg.target_kl}")
+        need(cfg.kl_horizon > 0, f"kl_horizon must be > 0 with kl_ctrl_type=adaptive, got {cfg.kl_horizon}")
+    for key in ("kl_penalty", "kl_loss_type"):
+        need(getattr(cfg, key) in kl.kl_estimator_names(),
+             f"{key} must be one of {kl.kl_estimator_names()}, got {getattr(cfg, key)!r}")
+    need(cfg.adv_estimator in ADV_ESTIMATORS, f"adv_estimator must be one of {ADV_ESTIMATORS}, got {cfg.adv_estimator!r}")
+    need(cfg.loss_agg_mode in LOSS_AGG_MODES, f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {cfg.loss_agg_mode!r}")
+    need(cfg.dtype in ("fp32", "bf16"), f"dtype must be fp32 or bf16, got {cfg.dtype!r}")
+    need(cfg.rollout_engine in ("hf", "vllm"), f"rollout_engine must be hf or vllm, got {cfg.rollout_engine!r}")
+    need(cfg.prompt_truncation in ("error", "left"), f"prompt_truncation must be error or left, got {cfg.prompt_truncation!r}")
+    need(cfg.temperature > 0, f"temperature must be > 0 for rollouts, got {cfg.temperature}")
+    need(cfg.val_temperature >= 0, f"val_temperature must be >= 0, got {cfg.val_temperature}")
+    need(0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
+    for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "cliprange_value"):
+        value = getattr(cfg, key)
+        need(value is None or value > 0, f"{key} must be > 0, got {value}")
+    need(cfg.train_batch_size % cfg.ppo_mini_batch_size == 0,
+         f"train_batch_size ({cfg.train_batch_size}) must be a multiple of ppo_mini_batch_size ({cfg.ppo_mini_batch_size})")
+    need(cfg.adv_estimator == "gae" or cfg.rollout_n > 1 or cfg.adv_estimator == "reinforce_plus_plus",
+         f"adv_estimator={cfg.adv_estimator} compares samples of one prompt: set rollout_n > 1 (got {cfg.rollout_n})")
+    need(cfg.reward_fn or cfg.reward_model_path, "set reward_fn ('module:function') or reward_model_path")
+    for key in ("model_path", "critic_model_path", "ref_model_path", "reward_model_path"):
+        path = getattr(cfg, key)
+        need(not path or Path(path).is_dir(), f"{key}: model directory {path} does not exist")
+    for key in ("train_files", "val_files"):
+        for path in _split_files(getattr(cfg, key)):
+            need(Path(path).is_file(), f"{key}: file {path} does not exist")
+    need(_split_files(cfg.train_files), "train_files is empty: give at least one parquet or jsonl file")
+
+
+def _split_files(files: str) -> list[str]:
+    return [f.strip() for f in files.split(",") if f.strip()]
+
+
+def config_help() -> str:
+    lines = ["usage: train_ppo.py [--config FILE.yaml ...] [--key=value ...]", "", "keys (default):"]
+    for f in dataclasses.fields(Config):
+        lines.append(f"  --{f.name:32s} {f.metadata['help']} ({f.default!r})")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure math (verl 0.9.1's definitions, see shared algorithms.md). Tensors in, tensors out.
+# B sequences, T response tokens; mask is 1 on real response tokens.
+# ----------------------------------------------------------------------------------------------
+def masked_sum(values, mask, dim=None):
+    # where() rather than values * mask: a nan at a padded position must not leak in
+    v = torch.where(mask.bool(), values, torch.zeros_like(values))
+    return v.sum() if dim is None else v.sum(dim)
+
+
+def masked_mean(values, mask, dim=None):
+    return masked_sum(values, mask, dim) / (mask.sum() if dim is None else mask.sum(dim)) .add(1e-8)
+
+
+def masked_var(values, mask):
+    """Unbiased variance over the valid positions (a single valid value gets no correction)."""
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    n = mask.sum()
+    return var * torch.where(n > 1, n / (n - 1).clamp(min=1), torch.ones_like(n))
+
+
+def masked_whiten(values, mask):
+    """Zero mean, unit variance over the valid positions; padded positions are shifted too."""
+    return (values - masked_mean(values, mask)) * torch.rsqrt(masked_var(values, mask) + 1e-8)
+
+
+def entropy_from_logits(logits):
+    # logsumexp - E_p[logits] == -sum p log p, without materialising log p
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)        # [B, T]
+
+
+def compute_gae(token_rewards, values, mask, gamma, lam):
+    """Generalised advantage estimation over right-padded responses -> (advantages, returns)."""
+    with torch.no_grad():
+        B, T = token_rewards.shape
+        nextv = torch.zeros(B, dtype=values.dtype, device=values.device)         # [B]
+        last = torch.zeros_like(nextv)                                            # [B]
+        adv = torch.zeros_like(token_rewards)                                     # [B, T]
+        for t in reversed(range(T)):
+            m = mask[:, t].to(values.dtype)                                       # [B]
+            delta = token_rewards[:, t] + gamma * nextv - values[:, t]            # [B]
+            new = delta + gamma * lam * last                                      # [B]
+            # padded steps pass the carry through unchanged
+            nextv = values[:, t] * m + (1 - m) * nextv
+            last = new * m + (1 - m) * last
+            adv[:, t] = last
+        returns = adv + values                                                    # [B, T]
+        return masked_whiten(adv, mask), returns
+
+
+def _group_stats(scores, group_ids):
+    """Per-sequence (mean, unbiased std, count) of its group's scores."""
+    _, inv = torch.unique(group_ids, return_inverse=True)                         # [B]
+    count = torch.bincount(inv).to(scores.dtype)                                  # [G]
+    mean = torch.zeros_like(count).index_add_(0, inv, scores) / count             # [G]
+    sq = torch.zeros_like(count).index_add_(0, inv, (scores - mean[inv]) ** 2)     # [G]
+    std = torch.sqrt(sq / (count - 1).clamp(min=1))                               # [G]
+    return mean[inv], std[inv], count[inv]                                        # [B] each
+
+
+def compute_grpo_advantages(token_rewards, mask, group_ids, norm_by_std=True, eps=1e-6):
+    """Score minus its group's mean (over std) -> (advantages, returns), equal."""
+    with torch.no_grad():
+        scores = token_rewards.sum(-1)                                            # [B]
+        mean, std, n = _group_stats(scores, group_ids)
+        mean = torch.where(n > 1, mean, torch.zeros_like(mean))   # a lone sample has no baseline
+        std = torch.where(n > 1, std, torch.ones_like(std))
+        a = (scores - mean) / (std + eps) if norm_by_std else scores - mean       # [B]
+        adv = a[:, None] * mask                                                   # [B, T]
+        return adv, adv
+
+
+def compute_rloo_advantages(token_rewards, mask, group_ids):
+    """Leave-one-out baseline: score minus the mean of the group's other scores."""
+    with torch.no_grad():
+        scores = token_rewards.sum(-1)                                            # [B]
+        mean, _, n = _group_stats(scores, group_ids)
+        k = n / (n - 1).clamp(min=1)
+        a = torch.where(n > 1, scores * k - mean * k, scores)                     # [B]
+        adv = a[:, None] * mask                                                   # [B, T]
+        return adv, adv
+
+
+def compute_reinforce_pp_advantages(token_rewards, mask, gamma):
+    """REINFORCE++: discounted return-to-go, whitened over the batch."""
+    with torch.no_grad():
+        returns = torch.zeros_like(token_rewards)                                 # [B, T]
+        running = torch.zeros_like(token_rewards[:, 0])                           # [B]
+        for t in reversed(range(token_rewards.shape[1])):
+            m = mask[:, t].to(token_rewards.dtype)
+            new = token_rewards[:, t] + gamma * running
+            returns[:, t] = new * m
+            running = new * m + running * (1 - m)
+        adv = masked_whiten(returns, mask) * mask                                 # [B, T]
+        return adv, returns
+
+
+def compute_reinforce_pp_baseline_advantages(token_rewards, mask, group_ids):
+    """REINFORCE++ with a group-mean baseline, whitened over the batch."""
+    with torch.no_grad():
+        scores = token_rewards.sum(-1)                                            # [B]
+        mean, _, n = _group_stats(scores, group_ids)
+        scores = scores - torch.where(n > 1, mean, torch.zeros_like(mean))
+        x = scores[:, None] * mask                                                # [B, T]
+        adv = masked_whiten(x, mask) * mask                                       # [B, T]
+        return adv, adv
+
+
+def agg_loss(loss_mat, mask, loss_agg_mode, num_tokens=None, num_seqs=None, seq_len=None):
+    """Reduce a [B, T] loss to a scalar. num_tokens / num_seqs override the denominators (the
+    whole mini-batch's counts, across micro-batches and ranks, so the pieces sum to the mini-batch
+    loss); seq_len overrides T for seq-mean-token-sum-norm."""
+    mask = mask.to(loss_mat.dtype)
+    if loss_agg_mode == "token-mean":
+        denom = mask.sum() if num_tokens is None else num_tokens
+        return masked_sum(loss_mat, mask) / denom
+    seq_sum = masked_sum(loss_mat, mask, dim=-1)                                  # [B]
+    nonempty = (mask.sum(-1) > 0).to(loss_mat.dtype)                              # [B]
+    n_seqs = nonempty.sum() if num_seqs is None else num_seqs
+    if loss_agg_mode == "seq-mean-token-sum":
+        return (seq_sum * nonempty).sum() / n_seqs
+    if loss_agg_mode == "seq-mean-token-mean":
+        return (seq_sum / (mask.sum(-1) + 1e-8) * nonempty).sum() / n_seqs
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        width = mask.shape[-1] if seq_len is None else seq_len
+        return (seq_sum * nonempty).sum() / n_seqs / width
+    raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+
+
+def policy_loss(old_logprob, logprob, advantages, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+                loss_agg_mode, **agg):
+    """Clipped surrogate with dual-clip -> (loss, {pg_clipfrac, ppo_kl, pg_clipfrac_lower})."""
+    log_ratio = torch.clamp(logprob - old_logprob, -20.0, 20.0)                    # [B, T]
+    ratio = torch.exp(log_ratio)                                                  # [B, T]
+    ppo_kl = masked_mean(-log_ratio, mask)
+    loss1 = -advantages * ratio                                                   # [B, T]
+    loss2 = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    clipped = torch.maximum(loss1, loss2)                                         # [B, T]
+    pg_clipfrac = masked_mean((loss2 > loss1).float(), mask)
+    # dual clip: with A < 0 a huge ratio would make the loss unbounded; cap it at -A * c
+    loss3 = -advantages * clip_ratio_c                                            # [B, T]
+    dual = torch.minimum(loss3, clipped)
+    pg_clipfrac_lower = masked_mean(((clipped > loss3) & (advantages < 0)).float(), mask)
+    per_token = torch.where(advantages < 0, dual, clipped)                        # [B, T]
+    loss = agg_loss(per_token, mask, loss_agg_mode, **agg)
+    return loss, {"pg_clipfrac": pg_clipfrac, "ppo_kl": ppo_kl, "pg_clipfrac_lower": pg_clipfrac_lower}
+
+
+def value_loss(vpreds, returns, values, mask, cliprange_value, loss_agg_mode, **agg):
+    """Clipped value loss -> (loss, vf_clipfrac)."""
+    vclip = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)  # [B, T]
+    err = (vpreds - returns) ** 2                                                 # [B, T]
+    err_clip = (vclip - returns) ** 2                                             # [B, T]
+    loss = 0.5 * agg_loss(torch.maximum(err, err_clip), mask, loss_agg_mode, **agg)
+    return loss, masked_mean((err_clip > err).float(), mask)
+
+
+def explained_variance(returns, values, mask):
+    return 1 - masked_var(returns - values, mask) / (masked_var(returns, mask) + 1e-5)
+
+
+def kl_in_reward(token_scores, old_logprob, ref_logprob, mask, beta, estimator):
+    """Token rewards = scores - beta * KL -> (token_rewards, current_kl: mean over sequences of
+    each sequence's mean KL, what the adaptive controller steers on)."""
+    kld = kl.kl_penalty(old_logprob, ref_logprob, estimator) * mask               # [B, T]
+    token_rewards = token_scores - beta * kld                                     # [B, T]
+    current_kl = masked_mean(kld, mask, dim=-1).mean()
+    return token_rewards, current_kl
+
+
+# ----------------------------------------------------------------------------------------------
+# Models and data.
+# ----------------------------------------------------------------------------------------------
+def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str) -> tuple[list[str], list[list[int]]]:
+    """Prompt texts and their token ids from parquet/jsonl files; every problem names the file."""
+    import pandas as pd
+    texts, ids = [], []
+    for path in _split_files(files):
+        if path.endswith(".parquet"):
+            frame = pd.read_parquet(path)
+        elif path.endswith((".jsonl", ".json")):
+            frame = pd.read_json(path, lines=True)
+        else:
+            raise UserError(f"{path}: unsupported file type (use .parquet or .jsonl)")
+        if len(frame) == 0:
+            raise UserError(f"{path}: the file has no rows")
+        if key not in frame.columns:
+            raise UserError(f"{path}: no column {key!r} (prompt_key); its columns are {list(frame.columns)}")
+        for row, prompt in enumerate(frame[key]):
+            text = _render_prompt(prompt, tokenizer, path, row)
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if not tokens:
+                raise UserError(f"{path}: row {row} has an empty prompt")
+            if len(tokens) > max_len:
+                if truncation != "left":
+                    raise UserError(f"{path}: row {row} has a prompt of {len(tokens)} tokens > max_prompt_length="
+                                    f"{max_len} (raise it, or set prompt_truncation=left)")
+                tokens = tokens[-max_len:]
+            texts.append(text)
+            ids.append(tokens)
+    return texts, ids
+
+
+def _render_prompt(prompt, tokenizer, path, row) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()
+    if isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    raise UserError(f"{path}: row {row}: a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+
+
+def load_reward_fn(spec: str):
+    if ":" not in spec:
+        raise UserError(f"reward_fn must look like 'module:function', got {spec!r}")
+    module, name = spec.split(":", 1)
+    sys.path.insert(0, str(HERE))   # rewards/ ships next to this file
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"reward_fn {spec!r} cannot be loaded: {e}") from None
+    return fn
+
+
+def score_with_fn(fn, spec: str, prompts: list[str], responses: list[str]) -> torch.Tensor:
+    """One finite float per sample, or a UserError naming the sample."""
+    try:
+        scores = list(fn(prompts, responses))
+    except Exception as e:
+        raise UserError(f"reward_fn {spec} raised {type(e).__name__}: {e} (batch of {len(prompts)}, first prompt "
+                        f"{prompts[0]!r}, response {responses[0]!r})") from e
+    if len(scores) != len(prompts):
+        raise UserError(f"reward_fn {spec} returned {len(scores)} scores for {len(prompts)} samples")
+    for i, s in enumerate(scores):
+        if not isinstance(s, (int, float)) or not math.isfinite(s):
+            raise UserError(f"reward_fn {spec} returned {s!r} for sample {i}: prompt {prompts[i]!r}, "
+                            f"response {responses[i]!r}")
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def pack_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> dict:
+    """Prompts left-padded to P, responses right-padded to R: one [B, P + R] sequence each."""
+    B = len(prompt_ids)
+    P = max(len(p) for p in prompt_ids)
+    R = max(1, max(len(r) for r in response_ids))
+    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)                  # [B, P+R]
+    attention_mask = torch.zeros((B, P + R), dtype=torch.long)                    # [B, P+R]
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        input_ids[i, P - len(p):P] = torch.tensor(p)
+        input_ids[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention_mask[i, P - len(p):P + len(r)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                   # [B, P+R]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+            "responses": input_ids[:, P:], "response_mask": attention_mask[:, P:].float()}   # [B, R]
+
+
+def select(batch: dict, idx) -> dict:
+    return {k: v[idx] for k, v in batch.items()}
+
+
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool = False):
+    """Log-prob (and entropy) of each response token under `model` -> [B, R] each.
+    Only the R positions that predict response tokens go through the LM head."""
+    R = batch["responses"].shape[1]
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], use_cache=False, logits_to_keep=R + 1)
+    logits = out.logits[:, :-1].float() / temperature                             # [B, R, V]
+    lse = torch.logsumexp(logits, dim=-1)                                         # [B, R]
+    logprob = logits.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1) - lse
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logprob, entropy
+
+
+def critic_values(critic, batch: dict):
+    """V(s_t) for the state before each response token -> [B, R]."""
+    R = batch["responses"].shape[1]
+    out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                 position_ids=batch["position_ids"], use_cache=False)
+    return out.logits[:, -R - 1:-1, 0].float()                                    # [B, R]
+
+
+def reward_model_scores(reward_model, batch: dict):
+    """The reward model's score of each whole sequence -> [B]."""
+    out = reward_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], use_cache=False)
+    return out.logits[:, 0].float()
+
+
+def micro_batches(batch: dict, size: int):
+    n = batch["input_ids"].shape[0]
+    for start in range(0, n, size):
+        yield select(batch, slice(start, start + size))
+
+
+@torch.no_grad()
+def forward_in_micro_batches(fn, batch: dict, size: int) -> torch.Tensor:
+    return torch.cat([fn(mb) for mb in micro_batches(batch, size)])
+
+
+def load_models(cfg: Config):
+    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
+                              AutoModelForTokenClassification, AutoTokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # weights stay fp32 for the trained models (bf16 runs under autocast); frozen ones may be bf16
+    frozen_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    actor = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
+    ref = None
+    if cfg.use_kl_in_reward or cfg.use_kl_loss:
+        ref = AutoModelForCausalLM.from_pretrained(cfg.ref_model_path or cfg.model_path, dtype=frozen_dtype)
+        ref.eval().requires_grad_(False)
+    critic = None
+    if cfg.adv_estimator == "gae":
+        critic = AutoModelForTokenClassification.from_pretrained(
+            cfg.critic_model_path or cfg.model_path, num_labels=1, dtype=torch.float32)
+        critic.config.pad_token_id = tokenizer.pad_token_id
+    reward_model = None
+    if cfg.reward_model_path:
+        reward_model = AutoModelForSequenceClassification.from_pretrained(
+            cfg.reward_model_path, num_labels=1, dtype=frozen_dtype)
+        reward_model.config.pad_token_id = tokenizer.pad_token_id
+        reward_model.eval().requires_grad_(False)
+    return tokenizer, actor, critic, ref, reward_model
+
+
+def make_optimizer(model, lr: float, weight_decay: float, warmup_steps: int):
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+    return optim, sched
+
+
+class PromptStream:
+    """Each epoch a fresh seeded permutation of the training prompts, consumed in batches."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        if n < batch_size:
+            raise UserError(f"train_files hold {n} prompts, fewer than train_batch_size={batch_size}")
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.epoch, self.pos = 0, 0
+
+    def next(self) -> list[int]:
+        if self.pos + self.batch_size > self.n:
+            self.epoch, self.pos = self.epoch + 1, 0
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        idx = order[self.pos:self.pos + self.batch_size].tolist()
+        self.pos += self.batch_size
+        return idx
+
+
+# ----------------------------------------------------------------------------------------------
+# The update: ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch.
+# ----------------------------------------------------------------------------------------------
+def mini_batch_norms(mask, cfg: Config) -> dict:
+    """Denominators for agg_loss over one whole mini-batch, so micro-batch losses sum to it."""
+    return {"num_tokens": mask.sum(), "num_seqs": (mask.sum(-1) > 0).sum().to(mask.dtype),
+            "seq_len": cfg.max_response_length}
+
+
+def optimizer_step(accelerator, model, optim, max_norm: float) -> tuple[float, bool]:
+    """Clip and step; a non-finite gradient norm skips the step (grads dropped) -> (norm, skipped)."""
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+    if not math.isfinite(grad_norm):
+        optim.zero_grad(set_to_none=True)
+        return grad_norm, True
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return grad_norm, False
+
+
+def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast) -> dict:
+    stats = Stats()
+    mini = cfg.ppo_mini_batch_size * cfg.rollout_n
+    low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
+    high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+    for _ in range(cfg.ppo_epochs):
+        for mb in micro_batches(batch, mini):
+            norms = mini_batch_norms(mb["response_mask"], cfg)
+            loss_total = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0}
+            for micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device):
+                m = micro["response_mask"]
+                with autocast():
+                    logprob, entropy = response_logprobs(actor, micro, cfg.temperature, with_entropy=True)
+                pg, pg_stats = policy_loss(micro["old_logprob"], logprob, micro["advantages"], m, low, high,
+                                           cfg.clip_ratio_c, cfg.loss_agg_mode, **norms)
+                loss = pg
+                if cfg.entropy_coeff:
+                    loss = loss - cfg.entropy_coeff * agg_loss(entropy, m, cfg.loss_agg_mode, **norms)
+                if cfg.use_kl_loss:
+                    kl_loss = agg_loss(kl.kl_penalty(logprob, micro["ref_logprob"], cfg.kl_loss_type), m,
+                                       cfg.loss_agg_mode, **norms)
+                    loss = loss + cfg.kl_loss_coef * kl_loss
+                    loss_total["actor/kl_loss"] += kl_loss.item()
+                accelerator.backward(loss)
+                loss_total["actor/pg_loss"] += pg.item()
+                stats.add({f"actor/{k}": v.item() for k, v in pg_stats.items()})
+                stats.add({"actor/entropy": masked_mean(entropy.detach(), m).item()})
+            grad_norm, skipped = optimizer_step(accelerator, actor, optim, cfg.max_grad_norm)
+            stats.add(loss_total if cfg.use_kl_loss else {"actor/pg_loss": loss_total["actor/pg_loss"]})
+            stats.add({"actor/grad_norm": grad_norm if not skipped else float("nan")})
+            stats.count("actor/skipped_steps", skipped)
+    return stats.means()
+
+
+def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast) -> dict:
+    stats = Stats()
+    mini = cfg.ppo_mini_batch_size * cfg.rollout_n
+    for _ in range(cfg.ppo_epochs):
+        for mb in micro_batches(batch, mini):
+            norms = mini_batch_norms(mb["response_mask"], cfg)
+            vf_total = 0.0
+            for micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device):
+                with autocast():
+                    vpreds = critic_values(critic, micro)
+                vf, clipfrac = value_loss(vpreds, micro["returns"], micro["values"], micro["response_mask"],
+                                          cfg.cliprange_value, cfg.loss_agg_mode, **norms)
+                accelerator.backward(vf)
+                vf_total += vf.item()
+                stats.add({"critic/vf_clipfrac": clipfrac.item(),
+                           "critic/vpred_mean": masked_mean(vpreds.detach(), micro["response_mask"]).item()})
+            grad_norm, skipped = optimizer_step(accelerator, critic, optim, cfg.critic_max_grad_norm)
+            stats.add({"critic/vf_loss": vf_total, "critic/grad_norm": grad_norm if not skipped else float("nan")})
+    return stats.means()
+
+
+class Stats:
+    """Collects a step's metric values; each metric is the mean over everything recorded."""
+
+    def __init__(self):
+        self.values: dict[str, list[float]] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, metrics: dict):
+        for k, v in metrics.items():
+            if not (isinstance(v, float) and math.isnan(v)):
+                self.values.setdefault(k, []).append(float(v))
+
+    def count(self, key: str, hit: bool):
+        self.counts[key] = self.counts.get(key, 0) + int(hit)
+
+    def means(self) -> dict:
+        out = {k: sum(v) / len(v) for k, v in self.values.items() if v}
+        out.update(self.counts)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Tracking: metrics.jsonl (the contract) and MLflow (asynchronous, one call per step).
+# ----------------------------------------------------------------------------------------------
+class Tracker:
+    def __init__(self, cfg: Config, out_dir: Path, enabled: bool):
+        self.enabled, self.out_dir = enabled, out_dir
+        if not enabled:
+            return
+        import mlflow
+        self.mlflow = mlflow
+        uri = cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(cfg.mlflow_experiment)
+        self.run = mlflow.start_run(run_name=cfg.run_name or out_dir.name)
+        mlflow.log_params({k: str(v) for k, v in dataclasses.asdict(cfg).items()}, synchronous=False)
+        mlflow.log_artifact(str(out_dir / "config.yaml"))
+        self.metrics_file = open(out_dir / "metrics.jsonl", "w")
+        self.history: list[dict] = []
+
+    def log(self, step: int, metrics: dict):
+        if not self.enabled:
+            return
+        record = {"step": step, **metrics}
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        self.history.append(record)
+        finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        self.mlflow.log_metrics(finite, step=step, synchronous=False)
+
+    def log_samples(self, step: int, rows: dict):
+        if self.enabled and rows["prompt"]:
+            self.mlflow.log_table(data=rows, artifact_file=f"samples/step_{step:06d}.json")
+
+    def finish(self, status: str, final_dir: Path | None):
+        if not self.enabled:
+            return
+        self.metrics_file.close()
+        try:
+            if self.history:
+                self.mlflow.log_artifact(str(plot_curves(self.history, self.out_dir / "curves.png")))
+            if final_dir is not None:
+                self.mlflow.log_artifacts(str(final_dir), artifact_path="final")
+        finally:
+            self.mlflow.flush_async_logging()
+            self.mlflow.end_run(status=status)
+
+
+def plot_curves(history: list[dict], path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = ["reward/score_mean", "val/accuracy", "kl/mean", "actor/entropy", "critic/vf_loss", "time/step_s"]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    for ax, key in zip(axes.flat, keys):
+        points = [(r["step"], r[key]) for r in history if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="." if len(points) < 30 else None)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+@contextmanager
+def timed(times: dict, name: str):
+    start = time.perf_counter()
+    yield
+    times[f"time/{name}_s"] = times.get(f"time/{name}_s", 0.0) + time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards, validation, the main loop.
+# ----------------------------------------------------------------------------------------------
+class Scorer:
+    """The reward: a verifier/reward function on decoded text, or a reward model on token ids."""
+
+    def __init__(self, cfg: Config, tokenizer, reward_model):
+        self.cfg, self.tokenizer, self.reward_model = cfg, tokenizer, reward_model
+        self.fn = None if reward_model is not None else load_reward_fn(cfg.reward_fn)
+        self.is_verifier = bool(getattr(self.fn, "is_verifier", False))
+
+    def __call__(self, prompts: list[str], responses: list[list[int]], batch: dict, micro: int) -> torch.Tensor:
+        if self.reward_model is not None:
+            scores = forward_in_micro_batches(lambda mb: reward_model_scores(self.reward_model, mb), batch, micro)
+        else:
+            texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+            scores = score_with_fn(self.fn, self.cfg.reward_fn, prompts, texts)
+        if self.cfg.reward_clip > 0:
+            scores = scores.clamp(-self.cfg.reward_clip, self.cfg.reward_clip)
+        return scores                                                             # [B]
+
+
+def place_scores(scores, response_mask):
+    """A sequence's score sits on its last real response token -> [B, R]."""
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)                        # [B]
+    token_scores = torch.zeros_like(response_mask)
+    token_scores[torch.arange(len(scores)), last] = scores.to(token_scores.dtype)
+    return token_scores
+
+
+def compute_advantages(cfg: Config, token_rewards, values, mask, group_ids):
+    if cfg.adv_estimator == "gae":
+        return compute_gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
+    if cfg.adv_estimator == "grpo":
+        return compute_grpo_advantages(token_rewards, mask, group_ids, cfg.norm_adv_by_std_in_grpo)
+    if cfg.adv_estimator == "rloo":
+        return compute_rloo_advantages(token_rewards, mask, group_ids)
+    if cfg.adv_estimator == "reinforce_plus_plus":
+        return compute_reinforce_pp_advantages(token_rewards, mask, cfg.gamma)
+    return compute_reinforce_pp_baseline_advantages(token_rewards, mask, group_ids)
+
+
+def run_validation(cfg, engine, scorer, tokenizer, texts, ids, device) -> tuple[dict, dict]:
+    params = SamplingParams(n=1, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                            max_tokens=cfg.max_response_length)
+    responses = engine.generate(ids, params).responses
+    batch = to_device(pack_batch(ids, responses, tokenizer.pad_token_id), device)
+    scores = scorer(texts, responses, batch, cfg.ppo_micro_batch_size_per_device)
+    metrics = {"val/score_mean": scores.mean().item()}
+    if scorer.is_verifier:
+        metrics["val/accuracy"] = (scores >= 1.0).float().mean().item()
+    n = min(cfg.log_samples, len(texts))
+    samples = {"prompt": texts[:n], "response": tokenizer.batch_decode(responses[:n], skip_special_tokens=True),
+               "score": scores[:n].tolist()}
+    return metrics, samples
+
+
+def make_engine(cfg: Config, actor, tokenizer, autocast):
+    if cfg.rollout_engine == "vllm":
+        raise UserError("rollout_engine=vllm is not available yet in this build; use rollout_engine=hf")
+    from rollout.hf import HFEngine
+    return HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout_micro_batch_size, autocast)
+
+
+def main(cfg: Config) -> None:
+    import yaml
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm import tqdm
+
+    accelerator = Accelerator(mixed_precision="bf16" if cfg.dtype == "bf16" else "no")
+    set_seed(cfg.seed)
+    out_dir = Path(cfg.output_dir)
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    autocast = accelerator.autocast if cfg.dtype == "bf16" else nullcontext
+
+    tokenizer, actor, critic, ref, reward_model = load_models(cfg)
+    train_texts, train_ids = load_prompts(cfg.train_files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,
+                                          cfg.prompt_truncation)
+    val_texts, val_ids = (load_prompts(cfg.val_files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,
+                                       cfg.prompt_truncation) if cfg.val_files else ([], []))
+    stream = PromptStream(len(train_ids), cfg.train_batch_size, cfg.seed)
+    scorer = Scorer(cfg, tokenizer, reward_model)
+    actor_optim, actor_sched = make_optimizer(actor, cfg.actor_lr, cfg.weight_decay, cfg.lr_warmup_steps)
+    actor, actor_optim, actor_sched = accelerator.prepare(actor, actor_optim, actor_sched)
+    if critic is not None:
+        critic_optim, critic_sched = make_optimizer(critic, cfg.critic_lr, cfg.weight_decay, cfg.lr_warmup_steps)
+        critic, critic_optim, critic_sched = accelerator.prepare(critic, critic_optim, critic_sched)
+    ref = ref.to(accelerator.device) if ref is not None else None
+    reward_model = reward_model.to(accelerator.device) if reward_model is not None else None
+    scorer.reward_model = reward_model
+    kl_ctrl = kl.make_kl_controller(cfg.kl_ctrl_type, cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
+    engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, autocast)
+    sampling = SamplingParams(n=cfg.rollout_n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                              max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
+    tracker = Tracker(cfg, out_dir, accelerator.is_main_process)
+    device, micro = accelerator.device, cfg.ppo_micro_batch_size_per_device
+    status, final_dir = "FAILED", None
+    try:
+        if val_ids and cfg.val_before_train:
+            val_metrics, samples = run_validation(cfg, engine, scorer, tokenizer, val_texts, val_ids, device)
+            tracker.log(0, val_metrics)
+            tracker.log_samples(0, samples)
+        bar = tqdm(range(1, cfg.total_training_steps + 1), desc="ppo", disable=not accelerator.is_main_process)
+        for step in bar:
+            times: dict = {}
+            step_start = time.perf_counter()
+            idx = stream.next()
+            prompts_text = [train_texts[i] for i in idx for _ in range(cfg.rollout_n)]
+            prompts_ids = [train_ids[i] for i in idx for _ in range(cfg.rollout_n)]
+
+            # 1 generate: rollout_n responses per prompt, prompt-major order
+            with timed(times, "gen"):
+                engine.wake_up()
+                rollout = engine.generate([train_ids[i] for i in idx], sampling)
+                engine.sleep()
+                batch = to_device(pack_batch(prompts_ids, rollout.responses, tokenizer.pad_token_id), device)
+                group_ids = torch.arange(len(idx), device=device).repeat_interleave(cfg.rollout_n)   # [B]
+                mask = batch["response_mask"]                                                         # [B, R]
+
+            # 2 score: one score per sequence, on its last response token
+            with timed(times, "score"):
+                scores = scorer(prompts_text, rollout.responses, batch, micro)                        # [B]
+                token_scores = place_scores(scores.to(device), mask)                                  # [B, R]
+
+            # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
+            with timed(times, "forward"), autocast():
+                batch["old_logprob"] = forward_in_micro_batches(
+                    lambda mb: response_logprobs(actor, mb, cfg.temperature)[0], batch, micro)        # [B, R]
+                if ref is not None:
+                    batch["ref_logprob"] = forward_in_micro_batches(
+                        lambda mb: response_logprobs(ref, mb, cfg.temperature)[0], batch, micro)      # [B, R]
+                if critic is not None:
+                    batch["values"] = forward_in_micro_batches(lambda mb: critic_values(critic, mb), batch, micro)
+
+            # 4 rewards and advantages (timed with the forward passes: it is tiny)
+            with timed(times, "forward"):
+                metrics = {}
+                beta = kl_ctrl.value   # read before the update, as verl does
+                if cfg.use_kl_in_reward:
+                    token_rewards, current_kl = kl_in_reward(token_scores, batch["old_logprob"],
+                                                             batch["ref_logprob"], mask, beta, cfg.kl_penalty)
+                    kl_ctrl.update(current_kl.item(), n_steps=len(scores))
+                else:
+                    token_rewards = token_scores
+                    if ref is not None:
+                        current_kl = kl_in_reward(token_scores, batch["old_logprob"], batch["ref_logprob"], mask,
+                                                  0.0, cfg.kl_penalty)[1]
+                if ref is not None:
+                    metrics.update({"kl/mean": current_kl.item(), "kl/coef": beta if cfg.use_kl_in_reward else 0.0})
+                values = batch.get("values", torch.zeros_like(token_rewards))
+                batch["advantages"], batch["returns"] = compute_advantages(cfg, token_rewards, values, mask,
+                                                                           group_ids)
+
+            # 5 update: critic, then actor (after critic_warmup steps)
+            with timed(times, "update"):
+                if critic is not None:
+                    metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, autocast))
+                    metrics["critic/explained_var"] = explained_variance(batch["returns"], values, mask).item()
+                    critic_sched.step()
+                if step > cfg.critic_warmup:
+                    metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, autocast))
+                    metrics["actor/lr"] = actor_sched.get_last_lr()[0]
+                    actor_sched.step()
+
+            # 6 sync weights into the rollout engine (the hf engine generates on the actor itself)
+            with timed(times, "sync"):
+                engine.load_weights(())
+
+            # 7 log: one record per step
+            with timed(times, "log"):
+                lengths = mask.sum(-1)                                                                # [B]
+                metrics.update({
+                    "reward/score_mean": scores.mean().item(),
+                    "reward/score_std": scores.std().item() if len(scores) > 1 else 0.0,
+                    "rollout/response_len_mean": lengths.mean().item(),
+                    "rollout/truncated_frac": _truncated_frac(rollout.responses, tokenizer, cfg),
+                })
+                if scorer.is_verifier:
+                    metrics["reward/accuracy"] = (scores >= 1.0).float().mean().item()
+                if rollout.logprobs is not None:
+                    metrics["rollout/logprob_diff"] = _logprob_diff(rollout.logprobs, batch)
+                bar.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
+            metrics.update(times)
+            metrics["time/step_s"] = time.perf_counter() - step_start
+            metrics["perf/tokens_per_s"] = batch["attention_mask"].sum().item() / metrics["time/step_s"]
+
+            # 8 validate
+            if val_ids and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
+                start = time.perf_counter()
+                val_metrics, samples = run_validation(cfg, engine, scorer, tokenizer, val_texts, val_ids, device)
+                metrics.update(val_metrics)
+                metrics["time/val_s"] = time.perf_counter() - start
+                tracker.log_samples(step, samples)
+            tracker.log(step, metrics)
+
+        final_dir = save_final(accelerator, actor, tokenizer, out_dir)
+        status = "FINISHED"
+    finally:
+        tracker.finish(status, final_dir)
+        accelerator.end_training()
+
+
+def _truncated_frac(responses: list[list[int]], tokenizer, cfg: Config) -> float:
+    eos = tokenizer.eos_token_id
+    hit = [len(r) >= cfg.max_response_length and (not r or r[-1] != eos) for r in responses]
+    return sum(hit) / max(1, len(hit))
+
+
+def _logprob_diff(sampler_logprobs: list[list[float]], batch: dict) -> float:
+    """Mean |sampler log-prob - actor log-prob| over response tokens (train/inference mismatch)."""
+    mask = batch["response_mask"]
+    sampler = torch.zeros_like(mask)
+    for i, lp in enumerate(sampler_logprobs):
+        sampler[i, :len(lp)] = torch.tensor(lp, dtype=sampler.dtype)
+    return masked_mean((sampler - batch["old_logprob"]).abs(), mask).item()
+
+
+def save_final(accelerator, actor, tokenizer, out_dir: Path) -> Path | None:
+    accelerator.wait_for_everyone()
+    final_dir = out_dir / "final"
+    state = accelerator.get_state_dict(actor)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(actor).save_pretrained(final_dir, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(final_dir)
+        return final_dir
+    return None
+
+
+if __name__ == "__main__":
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(config_help())
+        sys.exit(0)
+    try:
+        main(load_config())
+    except UserError as e:
+        sys.exit(f"error: {e}")
