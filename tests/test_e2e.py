@@ -1,0 +1,137 @@
+"""End-to-end runs of train_ppo.py as a subprocess on the committed demo model (CPU).
+
+They check outcomes: exit code, the metrics.jsonl contract, the MLflow run read back with
+MlflowClient, final/ loading with transformers, and clear errors on bad input.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "train_ppo.py"
+DEMO_MODEL = ROOT / "examples" / "demo_model"
+
+# small but complete: 2 mini-batches x 2 micro-batches x 2 epochs per step
+FAST = ["--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=8",
+        "--ppo_epochs=2"]
+
+STEP_KEYS = [
+    "reward/score_mean", "reward/score_std", "reward/accuracy", "kl/mean", "kl/coef",
+    "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
+    "actor/grad_norm", "actor/lr", "actor/skipped_steps",
+    "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/explained_var", "critic/grad_norm",
+    "rollout/response_len_mean", "rollout/truncated_frac",
+    "time/step_s", "time/gen_s", "time/score_s", "time/forward_s", "time/update_s", "time/sync_s", "time/log_s",
+    "perf/tokens_per_s",
+]
+
+
+def run(tmp_path, *args, env_extra=None, timeout=600):
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_metrics(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("short")
+    out = tmp / "out"
+    proc = run(tmp, f"--output_dir={out}", "--total_training_steps=3", "--test_freq=2", "--use_kl_loss=true", *FAST)
+    return tmp, out, proc
+
+
+def test_short_run_writes_the_metrics_contract(short_run):
+    tmp, out, proc = short_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert set(records[0]) == {"step", "val/score_mean", "val/accuracy"}   # validation before training
+    for r in records[1:]:
+        missing = [k for k in STEP_KEYS + ["actor/kl_loss"] if k not in r]
+        assert not missing, f"step {r['step']} lacks {missing}"
+        bad = {k: v for k, v in r.items() if not math.isfinite(v)}
+        assert not bad, f"step {r['step']} has non-finite {bad}"
+    assert "val/accuracy" in records[2] and "val/accuracy" in records[3]   # test_freq=2 and the last step
+    assert "val/accuracy" not in records[1]
+    assert records[1]["kl/mean"] == pytest.approx(0.0, abs=1e-6)          # actor == ref before any update
+    assert records[3]["kl/mean"] > 0                                      # and no longer after updates
+    for r in records[1:]:   # the phases account for the step
+        phases = sum(v for k, v in r.items() if k.startswith("time/") and k not in ("time/step_s", "time/val_s"))
+        assert phases == pytest.approx(r["time/step_s"], rel=0.05)
+
+
+def test_short_run_mlflow_run_reads_back(short_run):
+    from mlflow.tracking import MlflowClient
+    tmp, out, proc = short_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("ppo").experiment_id])
+    assert len(runs) == 1
+    run_ = runs[0]
+    assert run_.info.status == "FINISHED"
+    assert run_.data.params["total_training_steps"] == "3"
+    history = client.get_metric_history(run_.info.run_id, "reward/score_mean")
+    assert sorted(m.step for m in history) == [1, 2, 3]
+    logged = read_metrics(out)
+    assert {m.step: m.value for m in history} == pytest.approx({r["step"]: r["reward/score_mean"] for r in logged[1:]})
+    artifacts = {a.path for a in client.list_artifacts(run_.info.run_id)}
+    assert {"config.yaml", "curves.png", "final", "samples"} <= artifacts
+
+
+def test_short_run_final_model_loads(short_run):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tmp, out, proc = short_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    start = AutoModelForCausalLM.from_pretrained(DEMO_MODEL)
+    changed = any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), start.state_dict().values()))
+    assert changed, "final/ holds the initial weights: training did not update the actor"
+    ids = tok("12+34=", add_special_tokens=False, return_tensors="pt")["input_ids"]
+    assert model(ids).logits.shape[-1] == model.config.vocab_size
+
+
+def test_unknown_key_is_named_before_any_model_loads(tmp_path):
+    proc = run(tmp_path, "--clip_ratio_hgih=0.3")
+    assert proc.returncode != 0
+    assert "clip_ratio_hgih" in proc.stderr and "clip_ratio_high" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_prompt_column_names_file_and_columns(tmp_path):
+    data = tmp_path / "q.jsonl"
+    pd.DataFrame({"question": ["1+1=", "2+2="]}).to_json(data, orient="records", lines=True)
+    proc = run(tmp_path, f"--train_files={data}", "--val_files=", f"--output_dir={tmp_path}/out")
+    assert proc.returncode != 0
+    assert str(data) in proc.stderr and "'prompt'" in proc.stderr and "question" in proc.stderr
+
+
+def test_reward_returning_nan_stops_naming_the_sample_and_keeps_earlier_steps(tmp_path):
+    (tmp_path / "flaky_reward.py").write_text(textwrap.dedent("""
+        CALLS = [0]
+        def score(prompts, responses):
+            CALLS[0] += 1
+            out = [0.0] * len(prompts)
+            if CALLS[0] == 2:          # the second training step
+                out[3] = float("nan")
+            return out
+    """))
+    out = tmp_path / "out"
+    proc = run(tmp_path, "--reward_fn=flaky_reward:score", "--val_before_train=false", "--test_freq=-1",
+               f"--output_dir={out}", "--total_training_steps=3", *FAST, env_extra={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode != 0
+    assert "sample 3" in proc.stderr and "nan" in proc.stderr
+    assert [r["step"] for r in read_metrics(out)] == [1]
