@@ -92,6 +92,8 @@ class Config:
     ppo_epochs: int = opt(2, "passes over each iteration's rollouts")
     ppo_mini_batch_size: int = opt(32, "prompts per optimizer step (x rollout_n sequences)")
     ppo_micro_batch_size_per_device: int = opt(128, "sequences per forward/backward on one device")
+    ref_offload: bool = opt(False, "DeepSpeed ZeRO-3: keep the reference model's parameters in CPU memory")
+    reward_offload: bool = opt(False, "DeepSpeed ZeRO-3: keep the reward model's parameters in CPU memory")
     # advantages and rewards
     adv_estimator: str = opt("gae", "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline")
     norm_adv_by_std_in_grpo: bool = opt(True, "grpo: divide by the group's std (False = Dr. GRPO)")
@@ -614,31 +616,48 @@ class PromptStream:
 # ----------------------------------------------------------------------------------------------
 # The update: ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch.
 # ----------------------------------------------------------------------------------------------
-def mini_batch_norms(mask, cfg: Config) -> dict:
-    """Denominators for agg_loss over one whole mini-batch, so micro-batch losses sum to it."""
-    return {"num_tokens": mask.sum(), "num_seqs": (mask.sum(-1) > 0).sum().to(mask.dtype),
-            "seq_len": cfg.max_response_length}
+def mini_batch_norms(accelerator, mask, cfg: Config) -> dict:
+    """Denominators for agg_loss over one whole mini-batch (all micro-batches, all ranks), so the
+    micro-batch losses sum to the mini-batch loss. Gradients are averaged over ranks, hence the
+    division by the world size (verl's dp_size factor)."""
+    counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum().to(mask.dtype)])
+    counts = accelerator.reduce(counts, reduction="sum") / accelerator.num_processes
+    return {"num_tokens": counts[0], "num_seqs": counts[1], "seq_len": cfg.max_response_length}
 
 
-def optimizer_step(accelerator, model, optim, max_norm: float) -> tuple[float, bool]:
+def backward(model, loss, ds: bool):
+    # DeepSpeed would divide by its accumulation steps; our micro-batch losses already sum to the
+    # mini-batch loss, so it must not
+    model.backward(loss, scale_wrt_gas=False) if ds else loss.backward()
+
+
+def optimizer_step(model, optim, max_norm: float, ds: bool) -> tuple[float, bool]:
     """Clip and step; a non-finite gradient norm skips the step (grads dropped) -> (norm, skipped)."""
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
-    if not math.isfinite(grad_norm):
+    if ds:
+        # the engine reduces the accumulated gradients, clips them to its gradient_clipping
+        # (= max_norm), steps and zeroes them; ZeRO skips a step whose gradients overflow
+        skipped_before = model.skipped_steps
+        model.step()
+        norm = model.get_global_grad_norm()
+        norm = float("nan") if norm is None else float(norm)
+        return norm, model.skipped_steps > skipped_before or not math.isfinite(norm)
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    if not math.isfinite(norm):
         optim.zero_grad(set_to_none=True)
-        return grad_norm, True
+        return norm, True
     optim.step()
     optim.zero_grad(set_to_none=True)
-    return grad_norm, False
+    return norm, False
 
 
-def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast) -> dict:
+def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, ds: bool) -> dict:
     stats = Stats()
-    mini = cfg.ppo_mini_batch_size * cfg.rollout_n
+    mini = cfg.ppo_mini_batch_size * cfg.rollout_n // accelerator.num_processes
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
     for _ in range(cfg.ppo_epochs):
         for mb in micro_batches(batch, mini):
-            norms = mini_batch_norms(mb["response_mask"], cfg)
+            norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
             loss_total = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0}
             for micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device):
                 m = micro["response_mask"]
@@ -654,34 +673,34 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast) 
                                        cfg.loss_agg_mode, **norms)
                     loss = loss + cfg.kl_loss_coef * kl_loss
                     loss_total["actor/kl_loss"] += kl_loss.item()
-                accelerator.backward(loss)
+                backward(actor, loss, ds)
                 loss_total["actor/pg_loss"] += pg.item()
                 stats.add({f"actor/{k}": v.item() for k, v in pg_stats.items()})
                 stats.add({"actor/entropy": masked_mean(entropy.detach(), m).item()})
-            grad_norm, skipped = optimizer_step(accelerator, actor, optim, cfg.max_grad_norm)
+            grad_norm, skipped = optimizer_step(actor, optim, cfg.max_grad_norm, ds)
             stats.add(loss_total if cfg.use_kl_loss else {"actor/pg_loss": loss_total["actor/pg_loss"]})
             stats.add({"actor/grad_norm": grad_norm if not skipped else float("nan")})
             stats.count("actor/skipped_steps", skipped)
     return stats.means()
 
 
-def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast) -> dict:
+def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast, ds: bool) -> dict:
     stats = Stats()
-    mini = cfg.ppo_mini_batch_size * cfg.rollout_n
+    mini = cfg.ppo_mini_batch_size * cfg.rollout_n // accelerator.num_processes
     for _ in range(cfg.ppo_epochs):
         for mb in micro_batches(batch, mini):
-            norms = mini_batch_norms(mb["response_mask"], cfg)
+            norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
             vf_total = 0.0
             for micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device):
                 with autocast():
                     vpreds = critic_values(critic, micro)
                 vf, clipfrac = value_loss(vpreds, micro["returns"], micro["values"], micro["response_mask"],
                                           cfg.cliprange_value, cfg.loss_agg_mode, **norms)
-                accelerator.backward(vf)
+                backward(critic, vf, ds)
                 vf_total += vf.item()
                 stats.add({"critic/vf_clipfrac": clipfrac.item(),
                            "critic/vpred_mean": masked_mean(vpreds.detach(), micro["response_mask"]).item()})
-            grad_norm, skipped = optimizer_step(accelerator, critic, optim, cfg.critic_max_grad_norm)
+            grad_norm, skipped = optimizer_step(critic, optim, cfg.critic_max_grad_norm, ds)
             stats.add({"critic/vf_loss": vf_total, "critic/grad_norm": grad_norm if not skipped else float("nan")})
     return stats.means()
 
@@ -804,8 +823,8 @@ class Scorer:
 def place_scores(scores, response_mask):
     """A sequence's score sits on its last real response token -> [B, R]."""
     last = (response_mask.sum(-1).long() - 1).clamp(min=0)                        # [B]
-    token_scores = torch.zeros_like(response_mask)
-    token_scores[torch.arange(len(scores)), last] = scores.to(token_scores.dtype)
+    token_scores = torch.zeros(response_mask.shape, dtype=scores.dtype, device=response_mask.device)
+    token_scores[torch.arange(len(scores)), last] = scores
     return token_scores
 
 
@@ -821,41 +840,239 @@ def compute_advantages(cfg: Config, token_rewards, values, mask, group_ids):
     return compute_reinforce_pp_baseline_advantages(token_rewards, mask, group_ids)
 
 
-def run_validation(cfg, engine, scorer, tokenizer, texts, ids, device) -> tuple[dict, dict]:
+def run_validation(cfg, accelerator, engine, scorer, tokenizer, texts, ids) -> tuple[dict, dict]:
+    """Greedy (by default) generation on this rank's share of the validation prompts; scores are
+    summed over ranks, so the figures cover the whole validation set."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    texts, ids = texts[rank::world], ids[rank::world]
     params = SamplingParams(n=1, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_response_length)
     responses = engine.generate(ids, params).responses
-    batch = to_device(pack_batch(ids, responses, tokenizer.pad_token_id), device)
-    scores = scorer(texts, responses, batch, cfg.ppo_micro_batch_size_per_device)
-    metrics = {"val/score_mean": scores.mean().item()}
+    batch = to_device(pack_batch(ids, responses, tokenizer.pad_token_id), accelerator.device)
+    scores = scorer(texts, responses, batch, cfg.ppo_micro_batch_size_per_device).to(accelerator.device)
+    sums = torch.stack([scores.sum(), (scores >= 1.0).float().sum(), torch.tensor(float(len(scores)), device=scores.device)])
+    total, correct, count = accelerator.reduce(sums.double(), reduction="sum").tolist()
+    metrics = {"val/score_mean": total / count}
     if scorer.is_verifier:
-        metrics["val/accuracy"] = (scores >= 1.0).float().mean().item()
+        metrics["val/accuracy"] = correct / count
     n = min(cfg.log_samples, len(texts))
     samples = {"prompt": texts[:n], "response": tokenizer.batch_decode(responses[:n], skip_special_tokens=True),
                "score": scores[:n].tolist()}
     return metrics, samples
 
 
-def make_engine(cfg: Config, actor, tokenizer, autocast):
+def make_engine(cfg: Config, actor, tokenizer, contexts):
     if cfg.rollout_engine == "vllm":
         raise UserError("rollout_engine=vllm is not available yet in this build; use rollout_engine=hf")
     from rollout.hf import HFEngine
-    return HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout_micro_batch_size, autocast)
+    return HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout_micro_batch_size, contexts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Distribution: Accelerate, with one DeepSpeed plugin (engine config) per model under DeepSpeed.
+# ----------------------------------------------------------------------------------------------
+def make_accelerator(cfg: Config):
+    """-> (accelerator, ds). Under `accelerate launch` with a DeepSpeed config, each model gets its
+    own plugin derived from the launched config, with the values this script owns filled in."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+    # without CUDA, Accelerate would leave every rank believing it is rank 0 of 1
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    handlers = [] if torch.cuda.is_available() or world == 1 else [InitProcessGroupKwargs(backend="gloo")]
+    precision = "bf16" if cfg.dtype == "bf16" else "no"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return Accelerator(mixed_precision=precision, kwargs_handlers=handlers), False
+    plugins = deepspeed_plugins(cfg, world)
+    return Accelerator(mixed_precision=precision, deepspeed_plugins=plugins, kwargs_handlers=handlers), True
+
+
+def deepspeed_plugins(cfg: Config, world: int) -> dict:
+    import copy
+    from accelerate.utils import DeepSpeedPlugin
+    base = DeepSpeedPlugin().deepspeed_config       # the launched config: a JSON file or YAML keys
+    check_deepspeed_config(base, cfg)
+    micro = cfg.ppo_micro_batch_size_per_device
+    roles = {"actor": ("trained", cfg.max_grad_norm, False)}
+    if cfg.adv_estimator == "gae":
+        roles["critic"] = ("trained", cfg.critic_max_grad_norm, False)
+    if cfg.use_kl_in_reward or cfg.use_kl_loss:
+        roles["ref"] = ("frozen", None, cfg.ref_offload)
+    if cfg.reward_model_path:
+        roles["reward"] = ("frozen", None, cfg.reward_offload)
+    plugins = {}
+    saved = os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)   # YAML keys are already in `base`
+    try:
+        for name, (kind, clip, offload) in roles.items():
+            conf = copy.deepcopy(base)
+            # micro-batching is ours: one engine "step" per mini-batch, our losses pre-normalised
+            conf.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1,
+                        train_batch_size=micro * world, bf16={"enabled": cfg.dtype == "bf16"})
+            conf.pop("fp16", None)
+            zero = conf.setdefault("zero_optimization", {})
+            if kind == "trained":
+                conf.update(gradient_clipping=clip, managed_gradient_accumulation=False)
+                zero["stage3_gather_16bit_weights_on_model_save"] = True
+            else:
+                conf.pop("gradient_clipping", None)
+                zero.pop("offload_optimizer", None)
+                if offload and zero.get("stage") == 3:
+                    zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+            plugins[name] = DeepSpeedPlugin(hf_ds_config=conf)
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = saved
+    return plugins
+
+
+def check_deepspeed_config(conf: dict, cfg: Config) -> None:
+    """A DeepSpeed JSON may leave script-owned values as "auto" or match them; anything else is a
+    contradiction that would silently change the run, so it stops it."""
+    owned = {"train_micro_batch_size_per_gpu": ("ppo_micro_batch_size_per_device", cfg.ppo_micro_batch_size_per_device),
+             "gradient_clipping": ("max_grad_norm", cfg.max_grad_norm)}
+    for key, (cfg_key, value) in owned.items():
+        if conf.get(key, "auto") not in ("auto", value):
+            raise UserError(f"DeepSpeed config sets {key}={conf[key]} but {cfg_key}={value}: set it to \"auto\" "
+                            f"in the JSON (the script fills it) or change {cfg_key}")
+    if conf.get("gradient_accumulation_steps", "auto") not in ("auto", 1):
+        raise UserError(f"DeepSpeed config sets gradient_accumulation_steps={conf['gradient_accumulation_steps']}: "
+                        "set it to \"auto\"; PPO mini-batches are ppo_mini_batch_size / ppo_micro_batch_size_per_device")
+    if "optimizer" in conf or "scheduler" in conf:
+        raise UserError("DeepSpeed config has an optimizer/scheduler block: remove it; the script builds AdamW "
+                        "from actor_lr / critic_lr and its own schedule")
+    for mp in ("fp16", "bf16"):
+        enabled = conf.get(mp, {}).get("enabled", "auto")
+        wanted = cfg.dtype == "bf16" if mp == "bf16" else False
+        if enabled not in ("auto", wanted):
+            raise UserError(f"DeepSpeed config sets {mp}.enabled={enabled} but dtype={cfg.dtype}: set it to \"auto\" "
+                            "or change dtype (fp32 | bf16)")
+
+
+def check_world_size(cfg: Config, world: int) -> None:
+    for key in ("train_batch_size", "ppo_mini_batch_size"):
+        if getattr(cfg, key) % world:
+            raise UserError(f"{key}={getattr(cfg, key)} is not divisible by the {world} processes: change {key} "
+                            f"or num_processes")
+
+
+def gathered_params(engine, ds: bool):
+    """A context holding every parameter of a ZeRO-3-sharded actor on this rank for a whole
+    generation, instead of gathering layer by layer for every new token (and so no collective
+    runs inside generate: ranks that finish early cannot deadlock the others)."""
+    if not ds or engine.zero_optimization_stage() != 3:
+        return nullcontext
+
+    @contextmanager
+    def full_params():
+        import deepspeed
+        offload = engine.optimizer.parameter_offload
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            # ZeRO-3's per-module hooks would fetch and release (and prefetch) during generate
+            offload._remove_module_hooks()
+            try:
+                yield
+            finally:
+                for p in params:
+                    p.ds_active_sub_modules.clear()
+                offload.setup_zero_stage3_hooks()
+
+    return full_params
+
+
+def param_share(model) -> tuple[int, int]:
+    """(parameters held on this rank, parameters in the model): ZeRO-3 keeps a 1/N slice."""
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return local, total
+
+
+def prepare_models(accelerator, ds: bool, cfg: Config, actor, critic, ref, reward_model):
+    """Trained models with their optimizers (and DeepSpeed engines under DeepSpeed); frozen ones as
+    inference-only engines, or simply moved to the device."""
+    def select(name):
+        if ds:
+            accelerator.state.select_deepspeed_plugin(name)
+
+    actor_optim, actor_sched = make_optimizer(actor, cfg.actor_lr, cfg.weight_decay, cfg.lr_warmup_steps)
+    select("actor")
+    actor, actor_optim = accelerator.prepare(actor, actor_optim)
+    critic_optim = critic_sched = None
+    if critic is not None:
+        critic_optim, critic_sched = make_optimizer(critic, cfg.critic_lr, cfg.weight_decay, cfg.lr_warmup_steps)
+        select("critic")
+        critic, critic_optim = accelerator.prepare(critic, critic_optim)
+    frozen = []
+    for name, model in (("ref", ref), ("reward", reward_model)):
+        if model is not None and ds:
+            select(name)
+            model = accelerator.prepare(model)
+            model.eval()
+        elif model is not None:
+            model = model.to(accelerator.device)
+        frozen.append(model)
+    select("actor")
+    local, total = param_share(actor)
+    print(f"rank {accelerator.process_index}/{accelerator.num_processes}: actor holds {local} of {total} "
+          f"parameters ({100 * local / total:.1f}%)", flush=True)
+    return actor, actor_optim, actor_sched, critic, critic_optim, critic_sched, frozen[0], frozen[1]
+
+
+def gather_rows(accelerator, t):
+    """Every rank's [b, R_rank] rows -> the whole batch [B, R_max] on every rank, in rank order."""
+    return accelerator.gather(accelerator.pad_across_processes(t, dim=1))
+
+
+def reduce_metrics(accelerator, metrics: dict) -> dict:
+    """Mean of each metric over ranks, all in one collective."""
+    if accelerator.num_processes == 1:
+        return metrics
+    keys = sorted(metrics)
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
+    return dict(zip(keys, accelerator.reduce(t, reduction="mean").tolist()))
+
+
+def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group_ids) -> dict:
+    """Phase 4 on the whole batch (gathered from all ranks): KL in the reward, the controller
+    update, advantages with whitening over every valid token of the step; returns this rank's rows.
+    N ranks x B/N prompts thus give the statistics of 1 rank x B prompts."""
+    rows, R = token_scores.shape
+    start = accelerator.process_index * rows
+    full = {k: gather_rows(accelerator, v) for k, v in
+            {"scores": token_scores, "mask": batch["response_mask"], "old": batch["old_logprob"],
+             "ref": batch.get("ref_logprob", batch["old_logprob"]),
+             "values": batch.get("values", torch.zeros_like(token_scores))}.items()}
+    metrics = {}
+    beta = kl_ctrl.value   # read before the update, as verl does
+    token_rewards = full["scores"]
+    if "ref_logprob" in batch:
+        shaped, current_kl = kl_in_reward(full["scores"], full["old"], full["ref"], full["mask"],
+                                          beta if cfg.use_kl_in_reward else 0.0, cfg.kl_penalty)
+        if cfg.use_kl_in_reward:
+            token_rewards = shaped
+            kl_ctrl.update(current_kl.item(), n_steps=full["scores"].shape[0])
+        metrics = {"kl/mean": current_kl.item(), "kl/coef": beta if cfg.use_kl_in_reward else 0.0}
+    adv, returns = compute_advantages(cfg, token_rewards, full["values"], full["mask"], group_ids)
+    if cfg.adv_estimator == "gae":
+        metrics["critic/explained_var"] = explained_variance(returns, full["values"], full["mask"]).item()
+    batch["advantages"] = adv[start:start + rows, :R]
+    batch["returns"] = returns[start:start + rows, :R]
+    return metrics
 
 
 def main(cfg: Config) -> None:
     import yaml
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm import tqdm
 
-    accelerator = Accelerator(mixed_precision="bf16" if cfg.dtype == "bf16" else "no")
-    set_seed(cfg.seed)
+    accelerator, ds = make_accelerator(cfg)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    check_world_size(cfg, world)
+    set_seed(cfg.seed)          # the same initialisation (e.g. the value head) on every rank
     out_dir = Path(cfg.output_dir)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    autocast = accelerator.autocast if cfg.dtype == "bf16" else nullcontext
+    autocast = accelerator.autocast if cfg.dtype == "bf16" and not ds else nullcontext
 
     tokenizer, actor, critic, ref, reward_model = load_models(cfg)
     train_texts, train_ids = load_prompts(cfg.train_files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,
@@ -863,32 +1080,30 @@ def main(cfg: Config) -> None:
     val_texts, val_ids = (load_prompts(cfg.val_files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,
                                        cfg.prompt_truncation) if cfg.val_files else ([], []))
     stream = PromptStream(len(train_ids), cfg.train_batch_size, cfg.seed)
+    (actor, actor_optim, actor_sched, critic, critic_optim, critic_sched, ref,
+     reward_model) = prepare_models(accelerator, ds, cfg, actor, critic, ref, reward_model)
+    set_seed(cfg.seed + rank)   # each rank samples differently; data order uses cfg.seed alone
     scorer = Scorer(cfg, tokenizer, reward_model)
-    actor_optim, actor_sched = make_optimizer(actor, cfg.actor_lr, cfg.weight_decay, cfg.lr_warmup_steps)
-    actor, actor_optim, actor_sched = accelerator.prepare(actor, actor_optim, actor_sched)
-    if critic is not None:
-        critic_optim, critic_sched = make_optimizer(critic, cfg.critic_lr, cfg.weight_decay, cfg.lr_warmup_steps)
-        critic, critic_optim, critic_sched = accelerator.prepare(critic, critic_optim, critic_sched)
-    ref = ref.to(accelerator.device) if ref is not None else None
-    reward_model = reward_model.to(accelerator.device) if reward_model is not None else None
-    scorer.reward_model = reward_model
     kl_ctrl = kl.make_kl_controller(cfg.kl_ctrl_type, cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
-    engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, autocast)
+    unwrapped = accelerator.unwrap_model(actor)
+    engine = make_engine(cfg, unwrapped, tokenizer, [gathered_params(actor, ds), autocast])
     sampling = SamplingParams(n=cfg.rollout_n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
     tracker = Tracker(cfg, out_dir, accelerator.is_main_process)
     device, micro = accelerator.device, cfg.ppo_micro_batch_size_per_device
+    per_rank = cfg.train_batch_size // world
+    group_ids = torch.arange(cfg.train_batch_size, device=device).repeat_interleave(cfg.rollout_n)   # [B]
     status, final_dir = "FAILED", None
     try:
         if val_ids and cfg.val_before_train:
-            val_metrics, samples = run_validation(cfg, engine, scorer, tokenizer, val_texts, val_ids, device)
+            val_metrics, samples = run_validation(cfg, accelerator, engine, scorer, tokenizer, val_texts, val_ids)
             tracker.log(0, val_metrics)
             tracker.log_samples(0, samples)
         bar = tqdm(range(1, cfg.total_training_steps + 1), desc="ppo", disable=not accelerator.is_main_process)
         for step in bar:
             times: dict = {}
             step_start = time.perf_counter()
-            idx = stream.next()
+            idx = stream.next()[rank * per_rank:(rank + 1) * per_rank]     # this rank's prompts
             prompts_text = [train_texts[i] for i in idx for _ in range(cfg.rollout_n)]
             prompts_ids = [train_ids[i] for i in idx for _ in range(cfg.rollout_n)]
 
@@ -898,51 +1113,34 @@ def main(cfg: Config) -> None:
                 rollout = engine.generate([train_ids[i] for i in idx], sampling)
                 engine.sleep()
                 batch = to_device(pack_batch(prompts_ids, rollout.responses, tokenizer.pad_token_id), device)
-                group_ids = torch.arange(len(idx), device=device).repeat_interleave(cfg.rollout_n)   # [B]
-                mask = batch["response_mask"]                                                         # [B, R]
+                mask = batch["response_mask"]                                                         # [b, R]
 
             # 2 score: one score per sequence, on its last response token
             with timed(times, "score"):
-                scores = scorer(prompts_text, rollout.responses, batch, micro)                        # [B]
-                token_scores = place_scores(scores.to(device), mask)                                  # [B, R]
+                scores = scorer(prompts_text, rollout.responses, batch, micro).to(device)             # [b]
+                token_scores = place_scores(scores, mask)                                             # [b, R]
 
             # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
             with timed(times, "forward"), autocast():
                 batch["old_logprob"] = forward_in_micro_batches(
-                    lambda mb: response_logprobs(actor, mb, cfg.temperature)[0], batch, micro)        # [B, R]
+                    lambda mb: response_logprobs(actor, mb, cfg.temperature)[0], batch, micro)        # [b, R]
                 if ref is not None:
                     batch["ref_logprob"] = forward_in_micro_batches(
-                        lambda mb: response_logprobs(ref, mb, cfg.temperature)[0], batch, micro)      # [B, R]
+                        lambda mb: response_logprobs(ref, mb, cfg.temperature)[0], batch, micro)      # [b, R]
                 if critic is not None:
                     batch["values"] = forward_in_micro_batches(lambda mb: critic_values(critic, mb), batch, micro)
 
-            # 4 rewards and advantages (timed with the forward passes: it is tiny)
+            # 4 rewards and advantages over the whole batch (timed with the forward passes: it is tiny)
             with timed(times, "forward"):
-                metrics = {}
-                beta = kl_ctrl.value   # read before the update, as verl does
-                if cfg.use_kl_in_reward:
-                    token_rewards, current_kl = kl_in_reward(token_scores, batch["old_logprob"],
-                                                             batch["ref_logprob"], mask, beta, cfg.kl_penalty)
-                    kl_ctrl.update(current_kl.item(), n_steps=len(scores))
-                else:
-                    token_rewards = token_scores
-                    if ref is not None:
-                        current_kl = kl_in_reward(token_scores, batch["old_logprob"], batch["ref_logprob"], mask,
-                                                  0.0, cfg.kl_penalty)[1]
-                if ref is not None:
-                    metrics.update({"kl/mean": current_kl.item(), "kl/coef": beta if cfg.use_kl_in_reward else 0.0})
-                values = batch.get("values", torch.zeros_like(token_rewards))
-                batch["advantages"], batch["returns"] = compute_advantages(cfg, token_rewards, values, mask,
-                                                                           group_ids)
+                metrics = rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group_ids)
 
             # 5 update: critic, then actor (after critic_warmup steps)
             with timed(times, "update"):
                 if critic is not None:
-                    metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, autocast))
-                    metrics["critic/explained_var"] = explained_variance(batch["returns"], values, mask).item()
+                    metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, autocast, ds))
                     critic_sched.step()
                 if step > cfg.critic_warmup:
-                    metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, autocast))
+                    metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, autocast, ds))
                     metrics["actor/lr"] = actor_sched.get_last_lr()[0]
                     actor_sched.step()
 
@@ -950,37 +1148,39 @@ def main(cfg: Config) -> None:
             with timed(times, "sync"):
                 engine.load_weights(())
 
-            # 7 log: one record per step
+            # 7 log: one record per step, each metric reduced over ranks once
             with timed(times, "log"):
-                lengths = mask.sum(-1)                                                                # [B]
                 metrics.update({
                     "reward/score_mean": scores.mean().item(),
                     "reward/score_std": scores.std().item() if len(scores) > 1 else 0.0,
-                    "rollout/response_len_mean": lengths.mean().item(),
+                    "rollout/response_len_mean": mask.sum(-1).mean().item(),
                     "rollout/truncated_frac": _truncated_frac(rollout.responses, tokenizer, cfg),
+                    "perf/tokens": batch["attention_mask"].sum().item() * world,   # summed by the mean below
                 })
                 if scorer.is_verifier:
                     metrics["reward/accuracy"] = (scores >= 1.0).float().mean().item()
                 if rollout.logprobs is not None:
                     metrics["rollout/logprob_diff"] = _logprob_diff(rollout.logprobs, batch)
+                metrics = reduce_metrics(accelerator, {**metrics, **times})
                 bar.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
-            metrics.update(times)
+            metrics.update(times)   # this rank's own clock, so the phases add up to its step
             metrics["time/step_s"] = time.perf_counter() - step_start
-            metrics["perf/tokens_per_s"] = batch["attention_mask"].sum().item() / metrics["time/step_s"]
+            metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]
 
             # 8 validate
             if val_ids and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
                 start = time.perf_counter()
-                val_metrics, samples = run_validation(cfg, engine, scorer, tokenizer, val_texts, val_ids, device)
+                val_metrics, samples = run_validation(cfg, accelerator, engine, scorer, tokenizer, val_texts, val_ids)
                 metrics.update(val_metrics)
                 metrics["time/val_s"] = time.perf_counter() - start
                 tracker.log_samples(step, samples)
             tracker.log(step, metrics)
 
-        final_dir = save_final(accelerator, actor, tokenizer, out_dir)
+        final_dir = save_final(accelerator, actor, tokenizer, out_dir, ds)
         status = "FINISHED"
     finally:
         tracker.finish(status, final_dir)
+        accelerator.wait_for_everyone()
         accelerator.end_training()
 
 
@@ -999,15 +1199,18 @@ def _logprob_diff(sampler_logprobs: list[list[float]], batch: dict) -> float:
     return masked_mean((sampler - batch["old_logprob"]).abs(), mask).item()
 
 
-def save_final(accelerator, actor, tokenizer, out_dir: Path) -> Path | None:
+def save_final(accelerator, actor, tokenizer, out_dir: Path, ds: bool) -> Path | None:
+    """The actor in Hugging Face format; under ZeRO-3 the shards are gathered into full weights."""
+    if ds:
+        accelerator.state.select_deepspeed_plugin("actor")
     accelerator.wait_for_everyone()
+    state = accelerator.get_state_dict(actor)      # collective under ZeRO-3: every rank calls it
+    if not accelerator.is_main_process:
+        return None
     final_dir = out_dir / "final"
-    state = accelerator.get_state_dict(actor)
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(actor).save_pretrained(final_dir, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(final_dir)
-        return final_dir
-    return None
+    accelerator.unwrap_model(actor).save_pretrained(final_dir, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(final_dir)
+    return final_dir
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Because it generates with the training weights, there is nothing to sync, sleep 
 """
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Iterable
 
 import torch
@@ -14,12 +15,14 @@ from rollout import RolloutOutput, SamplingParams, cut_at_eos
 
 class HFEngine:
     def __init__(self, model, eos_token_id: int | list[int], pad_token_id: int, micro_batch_size: int = 256,
-                 autocast=None):
+                 contexts=()):
         self.model = model                  # the unwrapped actor (an nn.Module with .generate)
         self.eos_ids = set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
         self.pad_id = pad_token_id
         self.micro_batch_size = micro_batch_size
-        self.autocast = autocast            # a context-manager factory (bf16 autocast), or None
+        # context-manager factories entered around each generate() call: e.g. gathering ZeRO-3
+        # shards once per rollout, bf16 autocast
+        self.contexts = list(contexts)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         greedy = params.temperature == 0
@@ -39,8 +42,11 @@ class HFEngine:
         self.model.generation_config = gen_cfg
         self.model.eval()
         try:
-            for i in range(0, len(expanded), self.micro_batch_size):
-                responses += self._generate_chunk(expanded[i:i + self.micro_batch_size], gen_cfg)
+            with torch.no_grad(), ExitStack() as stack:
+                for make_context in self.contexts:
+                    stack.enter_context(make_context())
+                for i in range(0, len(expanded), self.micro_batch_size):
+                    responses += self._generate_chunk(expanded[i:i + self.micro_batch_size], gen_cfg)
         finally:
             self.model.generation_config = saved_cfg
             self.model.train(was_training)
@@ -54,8 +60,8 @@ class HFEngine:
         for row, p in enumerate(prompts):
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
-        with torch.no_grad(), (self.autocast() if self.autocast else _null()):
-            out = self.model.generate(ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg)
+        out = self.model.generate(ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg,
+                                  synced_gpus=False)   # the caller provides full weights (contexts)
         new_tokens = out[:, width:].tolist()                                           # [b, <=R]
         if gen_cfg.eos_token_id is None:   # ignore_eos: every sampled token counts
             return new_tokens
@@ -69,11 +75,3 @@ class HFEngine:
 
     def wake_up(self) -> None:
         pass
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -1,0 +1,708 @@
+"""Tests for the pure math and the config layer of train_ppo.py.
+
+Every expected number is worked out by hand from shared/algorithms.md (verl 0.9.1's definitions)
+and written as arithmetic; GAE is also checked against a naive scalar loop in the sum form
+A_t = sum_k (gamma * lam)^(k - t) * delta_k. Nothing here imports verl.
+Run from the repo root: python -m pytest tests/test_ppo_math.py -q
+"""
+
+import math
+import os
+import statistics
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import train_ppo  # noqa: E402
+from train_ppo import (  # noqa: E402
+    UserError,
+    agg_loss,
+    compute_gae,
+    compute_grpo_advantages,
+    compute_reinforce_pp_advantages,
+    compute_reinforce_pp_baseline_advantages,
+    compute_rloo_advantages,
+    entropy_from_logits,
+    explained_variance,
+    kl_in_reward,
+    load_config,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    pack_batch,
+    place_scores,
+    policy_loss,
+    value_loss,
+)
+
+NAN = float("nan")
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def t(x):
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def close(actual, expected, rtol=1e-6, atol=1e-7):
+    torch.testing.assert_close(actual, t(expected), rtol=rtol, atol=atol)
+
+
+def whiten_list(xs):
+    """The spec's whitening of a plain list of numbers (unbiased variance)."""
+    mean, std = statistics.fmean(xs), statistics.stdev(xs)
+    return [(x - mean) / std for x in xs]
+
+
+def valid(x, mask):
+    """The valid entries of a [B, T] tensor, row by row, as a flat python list."""
+    return x[mask.bool()].tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# Masked helpers
+# --------------------------------------------------------------------------------------------
+
+def test_masked_sum_and_mean_ignore_nan_at_padded_positions():
+    v = t([[1.0, 2.0, NAN], [4.0, NAN, NAN]])  # [2, 3]
+    m = t([[1, 1, 0], [1, 0, 0]])
+    assert masked_sum(v, m).item() == 1 + 2 + 4
+    assert masked_mean(v, m).item() == pytest.approx((1 + 2 + 4) / 3, rel=1e-8)
+    close(masked_mean(v, m, dim=-1), [(1 + 2) / 2, 4 / 1])
+    close(masked_sum(v, m, dim=-1), [3.0, 4.0])
+
+
+def test_masked_mean_of_empty_mask_is_zero_not_nan():
+    # the 1e-8 sits in the denominator: 0 / (0 + 1e-8) = 0
+    assert masked_mean(t([3.0, 5.0]), t([0, 0])).item() == 0.0
+
+
+def test_masked_var_is_unbiased():
+    v = t([[1.0, 2.0, 3.0, 4.0]])
+    m = t([[1, 1, 1, 1]])
+    # mean 2.5; squared deviations 2.25 + 0.25 + 0.25 + 2.25 = 5; unbiased: 5 / (4 - 1)
+    assert masked_var(v, m).item() == pytest.approx(5 / 3, rel=1e-7)
+    # padded values (even nan) are ignored: [1, 3] -> mean 2, (1 + 1) / (2 - 1)
+    v2 = t([[1.0, 100.0], [3.0, NAN]])
+    m2 = t([[1, 0], [1, 0]])
+    assert masked_var(v2, m2).item() == pytest.approx(2.0, rel=1e-7)
+
+
+def test_masked_whiten_gives_mean_0_var_1_on_valid_positions_and_shifts_padding():
+    v = t([[1.0, 2.0, 9.0], [4.0, 5.0, 7.0]])
+    m = t([[1, 1, 0], [1, 1, 1]])
+    w = masked_whiten(v, m)
+    assert masked_mean(w, m).item() == pytest.approx(0.0, abs=1e-7)
+    assert masked_var(w, m).item() == pytest.approx(1.0, rel=1e-6)
+    # valid [1, 2, 4, 5, 7]: mean 19/5 = 3.8; squared deviations 7.84 + 3.24 + 0.04 + 1.44 + 10.24
+    # = 22.8, unbiased var 22.8 / 4 = 5.7
+    assert w[0, 0].item() == pytest.approx((1 - 3.8) / math.sqrt(5.7), rel=1e-6)
+    # verl quirk: a padded position is whitened with the same statistics, not zeroed
+    assert w[0, 2].item() == pytest.approx((9 - 3.8) / math.sqrt(5.7), rel=1e-6)
+
+
+def test_entropy_from_logits():
+    logits = t([[[0.0, 0.0, 0.0, 0.0]], [[0.0, math.log(3.0), 0.0, 0.0]]])  # [2, 1, 4]
+    h = entropy_from_logits(logits)
+    assert h.shape == (2, 1)
+    # uniform over 4: log 4. Second: p = [1, 3, 1, 1] / 6
+    p = [1 / 6, 3 / 6, 1 / 6, 1 / 6]
+    close(h, [[math.log(4)], [-sum(q * math.log(q) for q in p)]])
+
+
+# --------------------------------------------------------------------------------------------
+# GAE
+# --------------------------------------------------------------------------------------------
+
+def naive_gae(rewards, values, gamma, lam):
+    """One sequence's valid steps as lists; A_t = sum_{k >= t} (gamma lam)^(k-t) delta_k with
+    delta_k = r_k + gamma V_{k+1} - V_k and V after the last step = 0."""
+    n = len(rewards)
+    adv = []
+    for t_ in range(n):
+        total = 0.0
+        for k in range(t_, n):
+            next_value = values[k + 1] if k + 1 < n else 0.0
+            delta = rewards[k] + gamma * next_value - values[k]
+            total += (gamma * lam) ** (k - t_) * delta
+        adv.append(total)
+    return adv
+
+
+def test_gae_hand_worked_two_sequences():
+    gamma, lam = 0.9, 0.8
+    r = t([[0.0, 0.0, 1.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
+    v = t([[0.5, 0.5, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    m = t([[1, 1, 1, 0], [1, 0, 0, 0]])
+    # sequence 0, backwards:
+    a2 = 1 + 0.9 * 0 - 0.5                      # 0.5
+    a1 = (0 + 0.9 * 0.5 - 0.5) + 0.9 * 0.8 * a2  # -0.05 + 0.36 = 0.31
+    a0 = (0 + 0.9 * 0.5 - 0.5) + 0.9 * 0.8 * a1  # -0.05 + 0.2232 = 0.1732
+    # sequence 1: one step, delta = 2 - 1
+    b0 = 2 - 1.0
+    adv, ret = compute_gae(r, v, m, gamma, lam)
+    # returns = unwhitened advantages + values; past the end the advantage is 0 so returns = V
+    close(ret, [[a0 + 0.5, a1 + 0.5, a2 + 0.5, 0.0], [b0 + 1.0, 0.0, 0.0, 0.0]])
+    raw = [a0, a1, a2, b0]
+    mean, std = sum(raw) / 4, statistics.stdev(raw)
+    close(adv[m.bool()], [(x - mean) / std for x in raw])
+    # padded positions hold a raw 0, whitened with the batch statistics (not zeroed)
+    close(adv[1, 1:], [(0 - mean) / std] * 3)
+
+
+def test_gae_against_naive_loop_on_random_right_padded_data():
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 7
+    gamma, lam = 0.97, 0.9
+    lengths = [7, 1, 4, 6, 2, 5]
+    m = t([[1.0] * n + [0.0] * (T - n) for n in lengths])
+    r = torch.randn(B, T, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv, ret = compute_gae(r, v, m, gamma, lam)
+    raw = []
+    for i, n in enumerate(lengths):
+        expected = naive_gae(r[i, :n].tolist(), v[i, :n].tolist(), gamma, lam)
+        close(ret[i, :n] - v[i, :n], expected, rtol=1e-9, atol=1e-10)
+        raw += expected
+    close(adv[m.bool()], whiten_list(raw), rtol=1e-6, atol=1e-7)
+
+
+def test_gae_ignores_rewards_and_values_at_padded_positions():
+    g = torch.Generator().manual_seed(1)
+    B, T = 3, 5
+    m = t([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    r = torch.randn(B, T, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv, ret = compute_gae(r, v, m, 1.0, 0.95)
+    pad = ~m.bool()
+    r2, v2 = r.clone(), v.clone()
+    r2[pad] = 1e3
+    v2[pad] = -1e3
+    adv2, ret2 = compute_gae(r2, v2, m, 1.0, 0.95)
+    close(adv2[m.bool()], adv[m.bool()].tolist(), rtol=1e-12, atol=1e-12)
+    close(ret2[m.bool()], ret[m.bool()].tolist(), rtol=1e-12, atol=1e-12)
+    # and the garbage did change the padded returns (returns = adv + V there too), so the
+    # equality above is not vacuous
+    assert not torch.allclose(ret2[pad], ret[pad])
+
+
+def test_gae_gamma_lam_one_is_reward_to_go_minus_value():
+    r = t([[1.0, 2.0, 3.0]])
+    v = t([[0.5, 1.0, 4.0]])
+    m = t([[1, 1, 1]])
+    _, ret = compute_gae(r, v, m, 1.0, 1.0)
+    # lam = gamma = 1: A_t = sum_{k>=t} r_k - V_t, so returns = reward-to-go
+    close(ret, [[1 + 2 + 3, 2 + 3, 3.0]])
+
+
+# --------------------------------------------------------------------------------------------
+# Critic-free estimators
+# --------------------------------------------------------------------------------------------
+
+# group 10: scores 1, 2, 3 (interleaved with the others); group 20: 5 alone; group 30: 4, 4
+GROUP_IDS = torch.tensor([10, 30, 10, 20, 10, 30])
+SCORE_TOKENS = t([
+    [0.5, 0.5, 0.0],   # 1   (the score is the sum over tokens)
+    [4.0, 0.0, 0.0],   # 4
+    [0.0, 2.0, 0.0],   # 2
+    [0.0, 0.0, 5.0],   # 5
+    [1.0, 1.0, 1.0],   # 3
+    [0.0, 4.0, 0.0],   # 4
+])
+SCORE_MASK = t([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]])
+
+
+def per_token(a, mask):
+    return (t(a)[:, None] * mask).tolist()
+
+
+def test_grpo_normalised_by_std():
+    eps = 1e-6
+    adv, ret = compute_grpo_advantages(SCORE_TOKENS, SCORE_MASK, GROUP_IDS, norm_by_std=True, eps=eps)
+    # group 10: mean 2, unbiased std sqrt((1 + 0 + 1) / 2) = 1; group 20 alone: mean 0, std 1;
+    # group 30: std 0, so (4 - 4) / (0 + eps) = 0
+    a = [(1 - 2) / (1 + eps), 0.0, (2 - 2) / (1 + eps), (5 - 0) / (1 + eps), (3 - 2) / (1 + eps), 0.0]
+    close(adv, per_token(a, SCORE_MASK))
+    assert torch.equal(adv, ret)
+
+
+def test_grpo_without_std_normalisation():
+    adv, ret = compute_grpo_advantages(SCORE_TOKENS, SCORE_MASK, GROUP_IDS, norm_by_std=False)
+    a = [1 - 2, 4 - 4, 2 - 2, 5 - 0, 3 - 2, 4 - 4]
+    close(adv, per_token(a, SCORE_MASK))
+    assert torch.equal(adv, ret)
+
+
+def test_grpo_std_is_unbiased():
+    # scores 0, 2: mean 1, unbiased std sqrt(2) (population std would be 1)
+    r = t([[0.0], [2.0]])
+    adv, _ = compute_grpo_advantages(r, t([[1], [1]]), torch.tensor([0, 0]), eps=0.0)
+    close(adv, [[-1 / math.sqrt(2)], [1 / math.sqrt(2)]])
+
+
+def test_rloo_leave_one_out():
+    adv, ret = compute_rloo_advantages(SCORE_TOKENS, SCORE_MASK, GROUP_IDS)
+    # each score minus the mean of the other scores of its group; a lone score stays as it is
+    a = [1 - (2 + 3) / 2, 4 - 4, 2 - (1 + 3) / 2, 5.0, 3 - (1 + 2) / 2, 4 - 4]
+    close(adv, per_token(a, SCORE_MASK))
+    assert torch.equal(adv, ret)
+
+
+def test_rloo_pair():
+    adv, _ = compute_rloo_advantages(t([[4.0], [0.0]]), t([[1], [1]]), torch.tensor([7, 7]))
+    close(adv, [[4.0 - 0.0], [0.0 - 4.0]])
+
+
+def test_reinforce_pp_discounted_returns_and_whitening():
+    r = t([[1.0, 0.0, 2.0], [0.0, 4.0, 7.0]])  # the 7 sits on a padded position
+    m = t([[1, 1, 1], [1, 1, 0]])
+    adv, ret = compute_reinforce_pp_advantages(r, m, gamma=0.5)
+    # sequence 0: 2; 0 + 0.5 * 2 = 1; 1 + 0.5 * 1 = 1.5.  sequence 1: 4; 0 + 0.5 * 4 = 2
+    close(ret, [[1.5, 1.0, 2.0], [2.0, 4.0, 0.0]])
+    # valid returns [1.5, 1, 2, 2, 4]: mean 10.5 / 5 = 2.1; squared deviations
+    # 0.36 + 1.21 + 0.01 + 0.01 + 3.61 = 5.2; unbiased var 5.2 / 4 = 1.3
+    s = math.sqrt(1.3)
+    close(adv, [[(1.5 - 2.1) / s, (1 - 2.1) / s, (2 - 2.1) / s], [(2 - 2.1) / s, (4 - 2.1) / s, 0.0]])
+
+
+def test_reinforce_pp_baseline():
+    # groups: 'a' scores 1 and 3 (mean 2), 'b' alone with 2 (baseline 0)
+    r = t([[0.0, 1.0], [3.0, 0.0], [2.0, 0.0]])
+    m = t([[1, 1], [1, 0], [1, 1]])
+    adv, ret = compute_reinforce_pp_baseline_advantages(r, m, torch.tensor([0, 0, 1]))
+    # x = [[-1, -1], [1, pad], [2, 2]]; valid [-1, -1, 1, 2, 2]: mean 3/5 = 0.6; squared deviations
+    # 2.56 + 2.56 + 0.16 + 1.96 + 1.96 = 9.2; unbiased var 9.2 / 4 = 2.3
+    s = math.sqrt(2.3)
+    close(adv, [[(-1 - 0.6) / s, (-1 - 0.6) / s], [(1 - 0.6) / s, 0.0], [(2 - 0.6) / s, (2 - 0.6) / s]])
+    assert torch.equal(adv, ret)
+
+
+# --------------------------------------------------------------------------------------------
+# agg_loss
+# --------------------------------------------------------------------------------------------
+
+# sequence 0: 3 tokens (1, 2, 3), sequence 1: 2 tokens (4, 5), sequence 2: empty. Padding holds 100s.
+AGG_L = t([[1.0, 2.0, 3.0, 100.0], [4.0, 5.0, 100.0, 100.0], [100.0, 100.0, 100.0, 100.0]])
+AGG_M = t([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+AGG_HAND = {
+    "token-mean": (1 + 2 + 3 + 4 + 5) / 5,
+    "seq-mean-token-sum": ((1 + 2 + 3) + (4 + 5)) / 2,          # the empty sequence is not counted
+    "seq-mean-token-mean": ((1 + 2 + 3) / 3 + (4 + 5) / 2) / 2,
+    "seq-mean-token-sum-norm": ((1 + 2 + 3) + (4 + 5)) / 2 / 4,  # T = mask width = 4
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_agg_loss_hand_worked(mode):
+    assert agg_loss(AGG_L, AGG_M, mode).item() == pytest.approx(AGG_HAND[mode], rel=1e-7)
+
+
+def test_agg_loss_seq_len_overrides_width_for_sum_norm():
+    out = agg_loss(AGG_L, AGG_M, "seq-mean-token-sum-norm", seq_len=10)
+    assert out.item() == pytest.approx(((1 + 2 + 3) + (4 + 5)) / 2 / 10, rel=1e-7)
+
+
+def test_agg_loss_unknown_mode_raises():
+    with pytest.raises(ValueError, match="token-sum"):
+        agg_loss(AGG_L, AGG_M, "token-sum")
+
+
+def test_agg_loss_micro_batches_hand_worked():
+    # split after sequence 0; whole-batch denominators: 5 tokens, 2 non-empty sequences
+    first = agg_loss(AGG_L[:1], AGG_M[:1], "token-mean", num_tokens=5)
+    second = agg_loss(AGG_L[1:], AGG_M[1:], "token-mean", num_tokens=5)
+    assert first.item() == pytest.approx((1 + 2 + 3) / 5)
+    assert second.item() == pytest.approx((4 + 5) / 5)
+    first = agg_loss(AGG_L[:1], AGG_M[:1], "seq-mean-token-mean", num_seqs=2)
+    assert first.item() == pytest.approx((1 + 2 + 3) / 3 / 2, rel=1e-7)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_agg_loss_micro_batch_pieces_sum_to_whole(mode):
+    g = torch.Generator().manual_seed(2)
+    B, T = 7, 6
+    lengths = [6, 1, 0, 3, 5, 2, 4]
+    m = t([[1.0] * n + [0.0] * (T - n) for n in lengths])
+    L = torch.randn(B, T, generator=g, dtype=torch.float64)
+    whole = agg_loss(L, m, mode)
+    norms = {"num_tokens": m.sum(), "num_seqs": (m.sum(-1) > 0).sum().to(m.dtype), "seq_len": T}
+    pieces = [agg_loss(L[s], m[s], mode, **norms) for s in (slice(0, 2), slice(2, 5), slice(5, 7))]
+    assert sum(p.item() for p in pieces) == pytest.approx(whole.item(), rel=1e-9)
+    # without the whole-batch denominators the pieces are means of unequal parts and do not sum up
+    local = [agg_loss(L[s], m[s], mode) for s in (slice(0, 2), slice(2, 5), slice(5, 7))]
+    assert sum(p.item() for p in local) != pytest.approx(whole.item(), rel=1e-3)
+
+
+def test_policy_loss_micro_batch_pieces_sum_to_whole():
+    g = torch.Generator().manual_seed(3)
+    m = t([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    old = -torch.rand(4, 4, generator=g, dtype=torch.float64)
+    new = old + 0.3 * torch.randn(4, 4, generator=g, dtype=torch.float64)
+    adv = torch.randn(4, 4, generator=g, dtype=torch.float64)
+    for mode in MODES:
+        whole, _ = policy_loss(old, new, adv, m, 0.2, 0.2, 3.0, mode)
+        norms = {"num_tokens": m.sum(), "num_seqs": t(4.0), "seq_len": 4}
+        a, _ = policy_loss(old[:1], new[:1], adv[:1], m[:1], 0.2, 0.2, 3.0, mode, **norms)
+        b, _ = policy_loss(old[1:], new[1:], adv[1:], m[1:], 0.2, 0.2, 3.0, mode, **norms)
+        assert (a + b).item() == pytest.approx(whole.item(), rel=1e-9), mode
+
+
+# --------------------------------------------------------------------------------------------
+# Policy loss
+# --------------------------------------------------------------------------------------------
+
+def run_policy(ratios, advantages, low, high, c=3.0, mask=None):
+    """old_logprob = 0 and logprob = log(ratio), so exp(logprob - old) is the ratio."""
+    ratios = t([ratios])
+    logprob = ratios.log().requires_grad_(True)
+    mask = torch.ones_like(ratios) if mask is None else t([mask])
+    loss, stats = policy_loss(torch.zeros_like(ratios), logprob, t([advantages]), mask, low, high, c, "token-mean")
+    return loss, stats, logprob
+
+
+def test_exp_log_roundtrip_is_exact_for_the_ratios_used():
+    # a precondition for the "exactly at the bound" tests below
+    for x in (0.5, 0.75, 1.25, 1.5, 1.75, 2.0):
+        assert torch.exp(torch.log(t(x))).item() == x
+
+
+def test_ratio_exactly_at_the_bounds_is_not_counted_as_clipped():
+    # low = 0.25, high = 0.5: ratio 0.75 = 1 - low and 1.5 = 1 + high, with A of either sign
+    loss, stats, _ = run_policy([0.75, 1.5, 0.75, 1.5], [1.0, 1.0, -1.0, -1.0], 0.25, 0.5)
+    assert stats["pg_clipfrac"].item() == 0.0
+    assert stats["pg_clipfrac_lower"].item() == 0.0
+    assert loss.item() == pytest.approx((-0.75 - 1.5 + 0.75 + 1.5) / 4, abs=1e-12)
+    # a ratio just past a bound is clipped (and counted)
+    _, stats, _ = run_policy([1.5 + 1e-9, 0.75 - 1e-9], [1.0, -1.0], 0.25, 0.5)
+    assert stats["pg_clipfrac"].item() == pytest.approx(1.0)
+
+
+def test_asymmetric_clip_ratio_low_and_high():
+    ratios, adv = [1.25, 1.75, 0.5, 0.75], [1.0, 1.0, -1.0, -1.0]
+    # low = 0.25 -> [0.75, 1.5]: 1.25 kept, 1.75 clipped to 1.5, 0.5 clipped up to 0.75 (A < 0: the
+    # larger loss wins), 0.75 at the bound
+    loss, stats, _ = run_policy(ratios, adv, 0.25, 0.5)
+    assert loss.item() == pytest.approx((-1.25 - 1.5 + 0.75 + 0.75) / 4)
+    assert stats["pg_clipfrac"].item() == pytest.approx(2 / 4)
+    # swapped, low = 0.5, high = 0.25 -> [0.5, 1.25]: 1.25 at the bound, 1.75 clipped to 1.25,
+    # 0.5 at the bound, 0.75 inside
+    loss, stats, _ = run_policy(ratios, adv, 0.5, 0.25)
+    assert loss.item() == pytest.approx((-1.25 - 1.25 + 0.5 + 0.75) / 4)
+    assert stats["pg_clipfrac"].item() == pytest.approx(1 / 4)
+
+
+def test_dual_clip_caps_the_loss_for_negative_advantage():
+    # A = -2, ratio 10 (log-ratio log 10), c = 3: l1 = 20, l2 = 2 * 1.2 = 2.4, max = 20; capped at
+    # -A * c = 6
+    loss, stats, logprob = run_policy([10.0], [-2.0], 0.2, 0.2, c=3.0)
+    assert loss.item() == pytest.approx(2.0 * 3.0)
+    assert stats["pg_clipfrac_lower"].item() == pytest.approx(1.0)
+    assert stats["pg_clipfrac"].item() == 0.0     # l2 (2.4) is not > l1 (20)
+    loss.backward()
+    assert logprob.grad.item() == 0.0
+
+
+def test_dual_clip_does_not_touch_a_negative_advantage_below_c():
+    # A = -1, ratio 2 < c = 3: l1 = 2 > l2 = 1.2 and < l3 = 3, the loss is -A * ratio
+    loss, stats, logprob = run_policy([2.0], [-1.0], 0.2, 0.2, c=3.0)
+    assert loss.item() == pytest.approx(2.0)
+    assert stats["pg_clipfrac_lower"].item() == 0.0
+    loss.backward()
+    assert logprob.grad.item() == pytest.approx(2.0)   # d(-A * exp(logprob)) / d logprob = ratio
+
+
+def test_positive_advantage_large_ratio_is_clipped_not_dual_clipped():
+    # A = 1, ratio 10: l1 = -10, l2 = -1.2, the max is -1.2; the dual clip applies only to A < 0
+    loss, stats, logprob = run_policy([10.0], [1.0], 0.2, 0.2, c=3.0)
+    assert loss.item() == pytest.approx(-1.2)
+    assert stats["pg_clipfrac"].item() == pytest.approx(1.0)
+    assert stats["pg_clipfrac_lower"].item() == 0.0
+    loss.backward()
+    assert logprob.grad.item() == 0.0
+
+
+def test_ppo_kl_is_masked_mean_of_minus_log_ratio():
+    old = t([[-1.0, -2.0, -3.0]])
+    new = t([[-0.9, -2.3, 50.0]])  # the third token is padding
+    m = t([[1, 1, 0]])
+    _, stats = policy_loss(old, new, t([[1.0, 1.0, 1.0]]), m, 0.2, 0.2, 3.0, "token-mean")
+    assert stats["ppo_kl"].item() == pytest.approx((-0.1 + 0.3) / 2, rel=1e-7)
+
+
+def test_gradient_is_zero_where_clipped_and_masked():
+    # tokens: inside (ratio 1, A = 1), clipped high (ratio 2, A = 1), clipped low (ratio 0.5, A = -1),
+    # dual-clipped (ratio 4, A = -1, c = 3: l1 = 4 > l3 = 3), padding
+    ratios = [1.0, 2.0, 0.5, 4.0, 1.0]
+    loss, stats, logprob = run_policy(ratios, [1.0, 1.0, -1.0, -1.0, 1.0], 0.2, 0.2, c=3.0,
+                                      mask=[1, 1, 1, 1, 0])
+    # losses: -1, -1.2, 0.8, 3 over 4 valid tokens
+    assert loss.item() == pytest.approx((-1 - 1.2 + 0.8 + 3) / 4)
+    assert stats["pg_clipfrac"].item() == pytest.approx(2 / 4)
+    assert stats["pg_clipfrac_lower"].item() == pytest.approx(1 / 4)
+    loss.backward()
+    # only the unclipped token has a gradient: -A * ratio / 4 tokens
+    close(logprob.grad, [[-1.0 / 4, 0.0, 0.0, 0.0, 0.0]], rtol=1e-12, atol=1e-12)
+
+
+def test_log_ratio_is_clamped_at_20():
+    # A < 0 and log-ratio 1000: exp would overflow; clamped to exp(20), then dual-clipped to -A * c
+    old, new = t([[0.0]]), t([[1000.0]])
+    loss, stats = policy_loss(old, new, t([[-1.0]]), t([[1]]), 0.2, 0.2, 3.0, "token-mean")
+    assert loss.item() == pytest.approx(3.0)
+    assert stats["ppo_kl"].item() == pytest.approx(-20.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Value loss and explained variance
+# --------------------------------------------------------------------------------------------
+
+def test_value_loss_clipping_clipfrac_and_half_factor():
+    values = t([[0.0, 0.0, 0.0, 0.0, 0.0]])     # old values
+    returns = t([[1.0, 1.0, 2.0, 1.0, 9.0]])
+    vpreds = t([[2.0, 0.3, 1.8, 0.5, -9.0]])    # last token is padding
+    m = t([[1, 1, 1, 1, 0]])
+    loss, clipfrac = value_loss(vpreds, returns, values, m, 0.5, "token-mean")
+    # token 0: vclip 0.5, (2-1)^2 = 1 vs (0.5-1)^2 = 0.25 -> 1, not counted
+    # token 1: inside, 0.49 both, not counted
+    # token 2: vclip 0.5, (1.8-2)^2 = 0.04 vs (0.5-2)^2 = 2.25 -> 2.25, counted
+    # token 3: exactly at the bound, 0.25 both, not counted
+    assert loss.item() == pytest.approx(0.5 * (1 + 0.49 + 2.25 + 0.25) / 4)
+    assert clipfrac.item() == pytest.approx(1 / 4)
+
+
+def test_value_loss_gradient_flows_only_where_unclipped_term_wins():
+    values, returns = t([[0.0, 0.0]]), t([[2.0, 1.0]])
+    vpreds = t([[1.8, 0.3]]).requires_grad_(True)
+    loss, _ = value_loss(vpreds, returns, values, t([[1, 1]]), 0.5, "token-mean")
+    loss.backward()
+    # token 0: the clipped term (constant in vpred) wins -> 0; token 1: 0.5 * 2 (0.3 - 1) / 2 tokens
+    close(vpreds.grad, [[0.0, 0.5 * 2 * (0.3 - 1.0) / 2]], rtol=1e-12, atol=1e-12)
+
+
+def test_explained_variance():
+    returns = t([[1.0, 2.0, 3.0, 50.0]])
+    values = t([[0.5, 2.0, 3.5, -50.0]])   # last token is padding
+    m = t([[1, 1, 1, 0]])
+    # R - V = [0.5, 0, -0.5]: unbiased var 0.5 / 2 = 0.25; var(R) = 2 / 2 = 1
+    assert explained_variance(returns, values, m).item() == pytest.approx(1 - 0.25 / (1 + 1e-5), rel=1e-7)
+
+
+# --------------------------------------------------------------------------------------------
+# KL in the reward
+# --------------------------------------------------------------------------------------------
+
+def test_kl_in_reward_k1_two_sequences_of_different_lengths():
+    ref = t([[-1.0, -1.0, -1.0, -1.0], [-2.0, -2.0, -2.0, -2.0]])
+    old = ref + t([[0.3, 0.1, 0.2, 9.0], [0.6, 9.0, 9.0, 9.0]])  # 9s on padding
+    m = t([[1, 1, 1, 0], [1, 0, 0, 0]])
+    scores = t([[0.0, 0.0, 1.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
+    rewards, current_kl = kl_in_reward(scores, old, ref, m, 0.5, "kl")
+    close(rewards, [[-0.5 * 0.3, -0.5 * 0.1, 1 - 0.5 * 0.2, 0.0], [2 - 0.5 * 0.6, 0.0, 0.0, 0.0]])
+    # mean over sequences of each sequence's mean: ((0.3 + 0.1 + 0.2) / 3 + 0.6) / 2 = 0.4
+    # (a token mean would give 1.2 / 4 = 0.3)
+    assert current_kl.item() == pytest.approx(((0.3 + 0.1 + 0.2) / 3 + 0.6) / 2, rel=1e-7)
+
+
+def test_kl_in_reward_uses_the_named_estimator():
+    ref = t([[0.0, 0.0]])
+    old = t([[-0.6, 0.2]])
+    m = t([[1, 1]])
+    rewards, current_kl = kl_in_reward(t([[0.0, 1.0]]), old, ref, m, 2.0, "k2")
+    # k2 = 0.5 d^2: 0.18 and 0.02
+    close(rewards, [[-2 * 0.18, 1 - 2 * 0.02]])
+    assert current_kl.item() == pytest.approx((0.18 + 0.02) / 2, rel=1e-7)
+
+
+# --------------------------------------------------------------------------------------------
+# Batching
+# --------------------------------------------------------------------------------------------
+
+def test_pack_batch_left_pads_prompts_right_pads_responses():
+    b = pack_batch([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 1, 2, 0], [0, 0, 8, 3, 4, 9]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    # positions count real tokens from 0; left padding sits at 0, right padding repeats the last
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
+    assert b["responses"].tolist() == [[1, 2, 0], [3, 4, 9]]
+    assert b["response_mask"].tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+    assert b["response_mask"].is_floating_point()
+
+
+def test_pack_batch_empty_response_keeps_one_masked_column():
+    b = pack_batch([[5], [6, 7]], [[], []], pad_id=2)
+    assert b["input_ids"].tolist() == [[2, 5, 2], [6, 7, 2]]
+    assert b["response_mask"].tolist() == [[0.0], [0.0]]
+
+
+def test_place_scores_on_last_real_response_token():
+    mask = t([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    out = place_scores(t([2.5, -1.0, 0.25]), mask)
+    assert out.tolist() == [[0.0, 2.5, 0.0], [0.0, 0.0, -1.0], [0.25, 0.0, 0.0]]
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    import pandas as pd
+    root = tmp_path_factory.mktemp("cfg")
+    (root / "model").mkdir()
+    for name in ("train", "val"):
+        pd.DataFrame({"prompt": ["1+1=", "2+2="]}).to_parquet(root / f"{name}.parquet")
+    return root
+
+
+@pytest.fixture
+def base(paths):
+    return ["--model_path", str(paths / "model"), f"--train_files={paths / 'train.parquet'}",
+            f"--val_files={paths / 'val.parquet'}"]
+
+
+def write_yaml(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def error_of(argv):
+    with pytest.raises(UserError) as e:
+        load_config(argv)
+    return str(e.value)
+
+
+def test_config_valid_base(base, paths):
+    cfg = load_config(base)
+    assert cfg.model_path == str(paths / "model")
+    assert cfg.train_files == str(paths / "train.parquet")
+
+
+def test_config_unknown_key_names_it_and_the_closest(base):
+    msg = error_of(base + ["--clip_ratoi=0.3"])
+    assert "clip_ratoi" in msg and "clip_ratio" in msg.replace("clip_ratoi", "")
+
+
+def test_config_unknown_key_in_yaml(base, tmp_path):
+    msg = error_of(base + ["--config", write_yaml(tmp_path / "a.yaml", "ppo_epoch: 3\n")])
+    assert "ppo_epoch" in msg and "ppo_epochs" in msg
+
+
+@pytest.mark.parametrize("arg,key", [
+    ("--ppo_epochs=two", "ppo_epochs"),
+    ("--ppo_epochs=1.5", "ppo_epochs"),
+    ("--actor_lr=fast", "actor_lr"),
+    ("--use_kl_loss=maybe", "use_kl_loss"),
+])
+def test_config_wrong_type(base, arg, key):
+    assert key in error_of(base + [arg])
+
+
+def test_config_wrong_type_in_yaml(base, tmp_path):
+    assert "ppo_epochs" in error_of(base + ["--config", write_yaml(tmp_path / "a.yaml", "ppo_epochs: 1.5\n")])
+    assert "gamma" in error_of(base + ["--config", write_yaml(tmp_path / "b.yaml", "gamma: true\n")])
+
+
+@pytest.mark.parametrize("value", ["1.0", "0.5"])
+def test_config_clip_ratio_c_must_exceed_1(base, value):
+    assert "clip_ratio_c" in error_of(base + [f"--clip_ratio_c={value}"])
+
+
+def test_config_clip_ratio_c_just_above_1_is_accepted(base):
+    assert load_config(base + ["--clip_ratio_c=1.01"]).clip_ratio_c == 1.01
+
+
+@pytest.mark.parametrize("value", ["0", "-0.1"])
+def test_config_target_kl_must_be_positive_with_adaptive_kl_in_reward(base, value):
+    msg = error_of(base + ["--kl_ctrl_type=adaptive", "--use_kl_in_reward=true", f"--target_kl={value}"])
+    assert "target_kl" in msg
+
+
+def test_config_target_kl_is_not_checked_when_unused(base):
+    assert load_config(base + ["--kl_ctrl_type=adaptive", "--use_kl_in_reward=false", "--target_kl=0"]).target_kl == 0
+    assert load_config(base + ["--kl_ctrl_type=fixed", "--target_kl=0"]).target_kl == 0
+
+
+def test_config_train_batch_size_multiple_of_mini_batch(base):
+    msg = error_of(base + ["--train_batch_size=10", "--ppo_mini_batch_size=4"])
+    assert "train_batch_size" in msg and "ppo_mini_batch_size" in msg
+    assert load_config(base + ["--train_batch_size=12", "--ppo_mini_batch_size=4"]).train_batch_size == 12
+
+
+@pytest.mark.parametrize("key", ["model_path", "critic_model_path", "ref_model_path", "reward_model_path"])
+def test_config_missing_model_dir(base, paths, key):
+    msg = error_of(base + [f"--{key}={paths / 'nope'}"])
+    assert key in msg and "nope" in msg
+
+
+@pytest.mark.parametrize("key", ["train_files", "val_files"])
+def test_config_missing_data_file(base, paths, key):
+    msg = error_of(base + [f"--{key}={paths / 'train.parquet'},{paths / 'missing.parquet'}"])
+    assert key in msg and "missing.parquet" in msg
+
+
+def test_config_missing_yaml_file(base, paths):
+    assert "absent.yaml" in error_of(base + ["--config", str(paths / "absent.yaml")])
+
+
+@pytest.mark.parametrize("key,value", [
+    ("adv_estimator", "ppo"),
+    ("loss_agg_mode", "token-sum"),
+    ("kl_penalty", "k4"),
+    ("kl_loss_type", "exact"),
+    ("kl_ctrl_type", "pid"),
+])
+def test_config_unknown_names(base, key, value):
+    msg = error_of(base + [f"--{key}={value}"])
+    assert key in msg and value in msg
+
+
+def test_config_key_value_and_key_equals_value_agree(base):
+    a = load_config(base + ["--gamma", "0.9", "--adv_estimator", "grpo", "--ppo_epochs", "3"])
+    b = load_config(base + ["--gamma=0.9", "--adv_estimator=grpo", "--ppo_epochs=3"])
+    assert (a.gamma, a.adv_estimator, a.ppo_epochs) == (0.9, "grpo", 3)
+    assert a == b
+
+
+def test_config_flag_without_value_is_an_error(base):
+    assert "use_kl_loss" in error_of(base + ["--use_kl_loss"])
+
+
+def test_config_yaml_then_cli_precedence(base, tmp_path):
+    first = write_yaml(tmp_path / "first.yaml", "ppo_epochs: 3\ngamma: 0.9\nlam: 0.5\n")
+    second = write_yaml(tmp_path / "second.yaml", "lam: 0.7\n")
+    cfg = load_config(base + ["--config", first, "--ppo_epochs=1"])
+    assert (cfg.ppo_epochs, cfg.gamma) == (1, 0.9)
+    # the CLI wins even when written before --config
+    cfg = load_config(base + ["--ppo_epochs=1", "--config", first])
+    assert (cfg.ppo_epochs, cfg.gamma) == (1, 0.9)
+    # of two files, the later wins
+    assert load_config(base + ["--config", first, "--config", second]).lam == 0.7
+    assert load_config(base + ["--config", second, "--config", first]).lam == 0.5
+
+
+@pytest.mark.parametrize("text,expected", [("true", True), ("false", False), ("True", True), ("False", False)])
+def test_config_booleans_from_cli(base, text, expected):
+    cfg = load_config(base + [f"--use_kl_loss={text}", "--val_before_train", text])
+    assert cfg.use_kl_loss is expected and cfg.val_before_train is expected
+
+
+def test_config_booleans_from_yaml(base, tmp_path):
+    path = write_yaml(tmp_path / "b.yaml", "use_kl_loss: true\nval_before_train: false\n")
+    cfg = load_config(base + ["--config", path])
+    assert cfg.use_kl_loss is True and cfg.val_before_train is False
+
+
+def test_config_optional_clip_ratio_low(base):
+    assert load_config(base + ["--clip_ratio_low=0.1"]).clip_ratio_low == 0.1
+    assert load_config(base + ["--clip_ratio_low=none"]).clip_ratio_low is None
+
+
+def test_config_positional_argument_is_an_error(base):
+    assert "stray" in error_of(base + ["stray"])
+
+
+def test_loss_agg_modes_constant_is_the_documented_set():
+    assert set(train_ppo.LOSS_AGG_MODES) == set(MODES)
