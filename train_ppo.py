@@ -882,6 +882,11 @@ def make_accelerator(cfg: Config):
     precision = "bf16" if cfg.dtype == "bf16" else "no"
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return Accelerator(mixed_precision=precision, kwargs_handlers=handlers), False
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"the accelerate config asks for DeepSpeed, which cannot be imported ({e}): run ./install.sh, "
+                        "or launch with accelerate_configs/single.yaml / plain python") from None
     plugins = deepspeed_plugins(cfg, world)
     return Accelerator(mixed_precision=precision, deepspeed_plugins=plugins, kwargs_handlers=handlers), True
 

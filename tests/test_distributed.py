@@ -82,3 +82,16 @@ def test_world_size_that_does_not_divide_the_batch_is_named(tmp_path):
                   "--train_batch_size=15", "--ppo_mini_batch_size=5", "--total_training_steps=1")
     assert proc.returncode != 0
     assert "train_batch_size=15 is not divisible by the 2 processes" in proc.stderr
+
+
+def test_deepspeed_json_that_contradicts_the_script_is_named(tmp_path):
+    conf = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    conf["train_micro_batch_size_per_gpu"] = 4
+    (tmp_path / "ds.json").write_text(json.dumps(conf))
+    accel = (ROOT / "accelerate_configs" / "zero3.yaml").read_text().replace("ds_configs/zero3.json",
+                                                                            str(tmp_path / "ds.json"))
+    (tmp_path / "accel.yaml").write_text(accel)
+    proc = launch(tmp_path, tmp_path / "accel.yaml", f"--output_dir={tmp_path}/out",
+                  "--ppo_micro_batch_size_per_device=8", "--total_training_steps=1")
+    assert proc.returncode != 0
+    assert "train_micro_batch_size_per_gpu=4 but ppo_micro_batch_size_per_device=8" in proc.stderr
