@@ -1183,6 +1183,7 @@ def main(cfg: Config) -> None:
 
         final_dir = save_final(accelerator, actor, tokenizer, out_dir, ds)
         status = "FINISHED"
+        print(f"rank {rank}/{world}: peak memory {peak_memory_gb():.2f} GiB", flush=True)
     finally:
         tracker.finish(status, final_dir)
         accelerator.wait_for_everyone()
@@ -1202,6 +1203,14 @@ def _logprob_diff(sampler_logprobs: list[list[float]], batch: dict) -> float:
     for i, lp in enumerate(sampler_logprobs):
         sampler[i, :len(lp)] = torch.tensor(lp, dtype=sampler.dtype)
     return masked_mean((sampler - batch["old_logprob"]).abs(), mask).item()
+
+
+def peak_memory_gb() -> float:
+    """Peak GPU memory allocated by torch on this rank, or without a GPU the process's peak RSS."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
 
 
 def save_final(accelerator, actor, tokenizer, out_dir: Path, ds: bool) -> Path | None:
