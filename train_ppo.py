@@ -68,6 +68,9 @@ class Config:
     train_batch_size: int = opt(64, "prompts per iteration (all ranks together)")
     test_freq: int = opt(10, "validate every N steps (and after the last); -1 = never")
     val_before_train: bool = opt(True, "validate before the first step (logged as step 0)")
+    save_freq: int = opt(-1, "checkpoint every N steps (also on SIGTERM/SIGINT, then exit); -1 = only on a signal")
+    save_total_limit: int = opt(2, "keep only the newest K checkpoints")
+    resume: str = opt("auto", "auto (newest complete checkpoint in output_dir/checkpoints) | never | a checkpoint path")
     mlflow_tracking_uri: str = opt("", "MLflow tracking URI; '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir")
     mlflow_experiment: str = opt("ppo", "MLflow experiment name")
     run_name: str = opt("", "MLflow run name; '' = the output_dir's name")
@@ -226,6 +229,9 @@ def validate_config(cfg: Config) -> None:
     need(cfg.rollout_engine in ("hf", "vllm"), f"rollout_engine must be hf or vllm, got {cfg.rollout_engine!r}")
     need(cfg.prompt_truncation in ("error", "left"), f"prompt_truncation must be error or left, got {cfg.prompt_truncation!r}")
     need(cfg.temperature > 0, f"temperature must be > 0 for rollouts, got {cfg.temperature}")
+    need(cfg.save_total_limit > 0, f"save_total_limit must be > 0, got {cfg.save_total_limit}")
+    need(cfg.resume in ("auto", "never") or Path(cfg.resume).is_dir(),
+         f"resume must be auto, never or a checkpoint directory; {cfg.resume} does not exist")
     need(cfg.val_temperature >= 0, f"val_temperature must be >= 0, got {cfg.val_temperature}")
     need(0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
     for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "cliprange_value"):
@@ -431,10 +437,22 @@ def kl_in_reward(token_scores, old_logprob, ref_logprob, mask, beta, estimator):
 # ----------------------------------------------------------------------------------------------
 # Models and data.
 # ----------------------------------------------------------------------------------------------
-def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str) -> tuple[list[str], list[list[int]]]:
-    """Prompt texts and their token ids from parquet/jsonl files; every problem names the file."""
+@dataclass
+class PromptSet:
+    texts: list[str]                 # the prompt as the model sees it (chat template applied)
+    ids: list[list[int]]             # its token ids
+    columns: dict[str, list]         # other dataset columns the reward function asks for (e.g. ground_truth)
+
+    def take(self, idx, repeat: int = 1) -> "PromptSet":
+        """Rows idx, each repeated `repeat` times in place (one per sampled response)."""
+        pick = lambda values: [values[i] for i in idx for _ in range(repeat)]   # noqa: E731
+        return PromptSet(pick(self.texts), pick(self.ids), {k: pick(v) for k, v in self.columns.items()})
+
+
+def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str, columns=(), reward_fn="") -> PromptSet:
+    """Prompts from parquet/jsonl files, tokenized; every problem names the file (and row)."""
     import pandas as pd
-    texts, ids = [], []
+    out = PromptSet([], [], {c: [] for c in columns})
     for path in _split_files(files):
         if path.endswith(".parquet"):
             frame = pd.read_parquet(path)
@@ -446,6 +464,11 @@ def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str)
             raise UserError(f"{path}: the file has no rows")
         if key not in frame.columns:
             raise UserError(f"{path}: no column {key!r} (prompt_key); its columns are {list(frame.columns)}")
+        for column in columns:
+            if column not in frame.columns:
+                raise UserError(f"{path}: no column {column!r}, which reward_fn {reward_fn} takes; its columns are "
+                                f"{list(frame.columns)}")
+            out.columns[column] += frame[column].tolist()
         for row, prompt in enumerate(frame[key]):
             text = _render_prompt(prompt, tokenizer, path, row)
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -456,9 +479,9 @@ def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str)
                     raise UserError(f"{path}: row {row} has a prompt of {len(tokens)} tokens > max_prompt_length="
                                     f"{max_len} (raise it, or set prompt_truncation=left)")
                 tokens = tokens[-max_len:]
-            texts.append(text)
-            ids.append(tokens)
-    return texts, ids
+            out.texts.append(text)
+            out.ids.append(tokens)
+    return out
 
 
 def _render_prompt(prompt, tokenizer, path, row) -> str:
@@ -483,10 +506,17 @@ def load_reward_fn(spec: str):
     return fn
 
 
-def score_with_fn(fn, spec: str, prompts: list[str], responses: list[str]) -> torch.Tensor:
+def reward_fn_columns(fn) -> list[str]:
+    """A reward function's parameters after (prompts, responses) name dataset columns it needs."""
+    import inspect
+    params = list(inspect.signature(fn).parameters.values())[2:]
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def score_with_fn(fn, spec: str, prompts: list[str], responses: list[str], columns: dict) -> torch.Tensor:
     """One finite float per sample, or a UserError naming the sample."""
     try:
-        scores = list(fn(prompts, responses))
+        scores = list(fn(prompts, responses, **columns))
     except Exception as e:
         raise UserError(f"reward_fn {spec} raised {type(e).__name__}: {e} (batch of {len(prompts)}, first prompt "
                         f"{prompts[0]!r}, response {responses[0]!r})") from e
@@ -730,8 +760,10 @@ class Stats:
 # Tracking: metrics.jsonl (the contract) and MLflow (asynchronous, one call per step).
 # ----------------------------------------------------------------------------------------------
 class Tracker:
-    def __init__(self, cfg: Config, out_dir: Path, enabled: bool):
-        self.enabled, self.out_dir = enabled, out_dir
+    def __init__(self, cfg: Config, out_dir: Path, enabled: bool, resumed: dict | None = None):
+        """resumed: a checkpoint's trainer state. Its steps stay in metrics.jsonl (later ones are
+        dropped, to be written again) and its MLflow run is continued when the store has it."""
+        self.enabled, self.out_dir, self.run_id = enabled, out_dir, None
         if not enabled:
             return
         import mlflow
@@ -739,11 +771,24 @@ class Tracker:
         uri = cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
         mlflow.set_tracking_uri(uri)
         mlflow.set_experiment(cfg.mlflow_experiment)
-        self.run = mlflow.start_run(run_name=cfg.run_name or out_dir.name)
-        mlflow.log_params({k: str(v) for k, v in dataclasses.asdict(cfg).items()}, synchronous=False)
+        run_id = resumed.get("mlflow_run_id") if resumed else None
+        if run_id and _mlflow_has_run(mlflow, run_id):
+            self.run = mlflow.start_run(run_id=run_id)
+        else:
+            self.run = mlflow.start_run(run_name=cfg.run_name or out_dir.name)
+            mlflow.log_params({k: str(v) for k, v in dataclasses.asdict(cfg).items()}, synchronous=False)
+        self.run_id = self.run.info.run_id
         mlflow.log_artifact(str(out_dir / "config.yaml"))
-        self.metrics_file = open(out_dir / "metrics.jsonl", "w")
-        self.history: list[dict] = []
+        path = out_dir / "metrics.jsonl"
+        kept = []
+        if resumed and path.exists():
+            kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            kept = [r for r in kept if r["step"] <= resumed["step"]]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)   # never a truncated file, even if killed right here
+        self.metrics_file = open(path, "a")
+        self.history: list[dict] = kept
 
     def log(self, step: int, metrics: dict):
         if not self.enabled:
@@ -771,6 +816,14 @@ class Tracker:
         finally:
             self.mlflow.flush_async_logging()
             self.mlflow.end_run(status=status)
+
+
+def _mlflow_has_run(mlflow, run_id: str) -> bool:
+    try:
+        mlflow.MlflowClient().get_run(run_id)
+        return True
+    except mlflow.exceptions.MlflowException:
+        return False
 
 
 def plot_curves(history: list[dict], path: Path) -> Path:
@@ -806,15 +859,16 @@ class Scorer:
 
     def __init__(self, cfg: Config, tokenizer, reward_model):
         self.cfg, self.tokenizer, self.reward_model = cfg, tokenizer, reward_model
-        self.fn = None if reward_model is not None else load_reward_fn(cfg.reward_fn)
+        self.fn = None if cfg.reward_model_path else load_reward_fn(cfg.reward_fn)
         self.is_verifier = bool(getattr(self.fn, "is_verifier", False))
+        self.columns = reward_fn_columns(self.fn) if self.fn else []
 
-    def __call__(self, prompts: list[str], responses: list[list[int]], batch: dict, micro: int) -> torch.Tensor:
+    def __call__(self, prompts: PromptSet, responses: list[list[int]], batch: dict, micro: int) -> torch.Tensor:
         if self.reward_model is not None:
             scores = forward_in_micro_batches(lambda mb: reward_model_scores(self.reward_model, mb), batch, micro)
         else:
             texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-            scores = score_with_fn(self.fn, self.cfg.reward_fn, prompts, texts)
+            scores = score_with_fn(self.fn, self.cfg.reward_fn, prompts.texts, texts, prompts.columns)
         if self.cfg.reward_clip > 0:
             scores = scores.clamp(-self.cfg.reward_clip, self.cfg.reward_clip)
         return scores                                                             # [B]
@@ -840,16 +894,16 @@ def compute_advantages(cfg: Config, token_rewards, values, mask, group_ids):
     return compute_reinforce_pp_baseline_advantages(token_rewards, mask, group_ids)
 
 
-def run_validation(cfg, accelerator, engine, scorer, tokenizer, texts, ids) -> tuple[dict, dict]:
+def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet) -> tuple[dict, dict]:
     """Greedy (by default) generation on this rank's share of the validation prompts; scores are
     summed over ranks, so the figures cover the whole validation set."""
-    rank, world = accelerator.process_index, accelerator.num_processes
-    texts, ids = texts[rank::world], ids[rank::world]
+    mine = val.take(range(accelerator.process_index, len(val.ids), accelerator.num_processes))
     params = SamplingParams(n=1, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_response_length)
-    responses = engine.generate(ids, params).responses
-    batch = to_device(pack_batch(ids, responses, tokenizer.pad_token_id), accelerator.device)
-    scores = scorer(texts, responses, batch, cfg.ppo_micro_batch_size_per_device).to(accelerator.device)
+    responses = engine.generate(mine.ids, params).responses
+    batch = to_device(pack_batch(mine.ids, responses, tokenizer.pad_token_id), accelerator.device)
+    scores = scorer(mine, responses, batch, cfg.ppo_micro_batch_size_per_device).to(accelerator.device)
+    texts = mine.texts
     sums = torch.stack([scores.sum(), (scores >= 1.0).float().sum(), torch.tensor(float(len(scores)), device=scores.device)])
     total, correct, count = accelerator.reduce(sums.double(), reduction="sum").tolist()
     metrics = {"val/score_mean": total / count}
@@ -1064,6 +1118,121 @@ def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group
     return metrics
 
 
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: everything needed to continue exactly, written atomically.
+# ----------------------------------------------------------------------------------------------
+# keys that may change between a checkpoint and its resumption; any other difference is refused
+RESUMABLE_KEYS = {"total_training_steps", "save_freq", "save_total_limit", "resume", "test_freq", "val_before_train",
+                  "mlflow_tracking_uri", "mlflow_experiment", "run_name", "log_samples", "output_dir",
+                  "rollout_micro_batch_size", "val_files", "val_temperature"}
+
+
+def find_checkpoint(cfg: Config) -> Path | None:
+    """The checkpoint to resume from: an explicit path, or the newest complete one in output_dir.
+    Only a directory named step_N holding trainer_state.json is complete (both are written last)."""
+    if cfg.resume == "never":
+        return None
+    if cfg.resume != "auto":
+        if not (Path(cfg.resume) / "trainer_state.json").is_file():
+            raise UserError(f"resume={cfg.resume} is not a complete checkpoint (no trainer_state.json)")
+        return Path(cfg.resume)
+    root = Path(cfg.output_dir) / "checkpoints"
+    for path in root.glob(".tmp_step_*"):
+        print(f"warning: skipping partial checkpoint {path} (a save was interrupted)", file=sys.stderr)
+    candidates = sorted(root.glob("step_*"), key=lambda p: int(p.name.split("_")[1]) if p.name.split("_")[1].isdigit() else -1,
+                        reverse=True)
+    for path in candidates:
+        if (path / "trainer_state.json").is_file():
+            return path
+        print(f"warning: skipping incomplete checkpoint {path}", file=sys.stderr)
+    return None
+
+
+def check_resumable(cfg: Config, state: dict, path: Path) -> None:
+    saved, now = state["config"], dataclasses.asdict(cfg)
+    differing = [k for k in now if k not in RESUMABLE_KEYS and saved.get(k) != now[k]]
+    if differing:
+        listing = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in differing)
+        raise UserError(f"checkpoint {path} was made with a different config ({listing}); resume with the same "
+                        f"settings, pick another output_dir, or pass --resume=never")
+
+
+def save_checkpoint(accelerator, ds: bool, cfg: Config, step: int, trained: dict, extra_state: dict) -> Path:
+    """trained: name -> (model, optimizer, scheduler). Written to .tmp_step_N, renamed to step_N
+    when every rank is done, so a crash mid-save never leaves a directory that looks complete."""
+    import random
+    import shutil
+    import numpy as np
+    root = Path(cfg.output_dir) / "checkpoints"
+    tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    for name, (model, optim, _) in trained.items():
+        if ds:   # each rank writes its own shards of the weights and optimizer state
+            model.save_checkpoint(str(tmp / name), tag="state")
+        elif accelerator.is_main_process:
+            torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optim": optim.state_dict()},
+                       tmp / f"{name}.pt")
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+               tmp / f"rng_rank{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        state = {"step": step, "world_size": accelerator.num_processes, "config": dataclasses.asdict(cfg),
+                 "schedulers": {n: s.state_dict() for n, (_, _, s) in trained.items()}, **extra_state}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        done = sorted((p for p in root.glob("step_*") if p.name.split("_")[1].isdigit()),
+                      key=lambda p: int(p.name.split("_")[1]))
+        for old in done[:-cfg.save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, ds: bool, path: Path, state: dict, trained: dict) -> None:
+    import random
+    import numpy as np
+    if state["world_size"] != accelerator.num_processes:
+        raise UserError(f"checkpoint {path} was written by {state['world_size']} processes, this run has "
+                        f"{accelerator.num_processes}: resume with the same num_processes")
+    for name, (model, optim, sched) in trained.items():
+        if ds:
+            model.load_checkpoint(str(path / name), tag="state", load_optimizer_states=True,
+                                  load_lr_scheduler_states=False)
+        else:
+            saved = torch.load(path / f"{name}.pt", map_location=accelerator.device, weights_only=False)
+            accelerator.unwrap_model(model).load_state_dict(saved["model"])
+            optim.load_state_dict(saved["optim"])
+        sched.load_state_dict(state["schedulers"][name])
+    rng = torch.load(path / f"rng_rank{accelerator.process_index}.pt", weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+class StopSignal:
+    """SIGTERM/SIGINT ask for a checkpoint at the end of the current step, then a clean exit."""
+
+    def __init__(self):
+        import signal
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, accelerator) -> bool:
+        flag = torch.tensor([float(self.requested)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)   # every rank stops together
+
+
 def main(cfg: Config) -> None:
     import yaml
     from accelerate.utils import set_seed
@@ -1072,6 +1241,10 @@ def main(cfg: Config) -> None:
     accelerator, ds = make_accelerator(cfg)
     world, rank = accelerator.num_processes, accelerator.process_index
     check_world_size(cfg, world)
+    ckpt = find_checkpoint(cfg)
+    resumed = json.loads((ckpt / "trainer_state.json").read_text()) if ckpt else None
+    if resumed:
+        check_resumable(cfg, resumed, ckpt)   # before any model loads
     set_seed(cfg.seed)          # the same initialisation (e.g. the value head) on every rank
     out_dir = Path(cfg.output_dir)
     if accelerator.is_main_process:
@@ -1080,49 +1253,62 @@ def main(cfg: Config) -> None:
     autocast = accelerator.autocast if cfg.dtype == "bf16" and not ds else nullcontext
 
     tokenizer, actor, critic, ref, reward_model = load_models(cfg)
-    train_texts, train_ids = load_prompts(cfg.train_files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,
-                                          cfg.prompt_truncation)
-    val_texts, val_ids = (load_prompts(cfg.val_files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,
-                                       cfg.prompt_truncation) if cfg.val_files else ([], []))
-    stream = PromptStream(len(train_ids), cfg.train_batch_size, cfg.seed)
+    scorer = Scorer(cfg, tokenizer, None)
+    read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
+                                      cfg.prompt_truncation, scorer.columns, cfg.reward_fn)
+    train = read(cfg.train_files)
+    val = read(cfg.val_files) if cfg.val_files else None
+    stream = PromptStream(len(train.ids), cfg.train_batch_size, cfg.seed)
     (actor, actor_optim, actor_sched, critic, critic_optim, critic_sched, ref,
      reward_model) = prepare_models(accelerator, ds, cfg, actor, critic, ref, reward_model)
     set_seed(cfg.seed + rank)   # each rank samples differently; data order uses cfg.seed alone
-    scorer = Scorer(cfg, tokenizer, reward_model)
+    scorer.reward_model = reward_model
     kl_ctrl = kl.make_kl_controller(cfg.kl_ctrl_type, cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
     unwrapped = accelerator.unwrap_model(actor)
     engine = make_engine(cfg, unwrapped, tokenizer, [gathered_params(actor, ds), autocast])
     sampling = SamplingParams(n=cfg.rollout_n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
-    tracker = Tracker(cfg, out_dir, accelerator.is_main_process)
+    trained = {"actor": (actor, actor_optim, actor_sched)}
+    if critic is not None:
+        trained["critic"] = (critic, critic_optim, critic_sched)
+    first_step = 1
+    if resumed:
+        load_checkpoint(accelerator, ds, ckpt, resumed, trained)
+        kl_ctrl.load_state_dict(resumed["kl_ctrl"])
+        stream.epoch, stream.pos = resumed["data"]["epoch"], resumed["data"]["pos"]
+        first_step = resumed["step"] + 1
+        if accelerator.is_main_process:
+            print(f"resuming from {ckpt} (step {resumed['step']})", flush=True)
+    tracker = Tracker(cfg, out_dir, accelerator.is_main_process, resumed)
+    stop = StopSignal()
     device, micro = accelerator.device, cfg.ppo_micro_batch_size_per_device
     per_rank = cfg.train_batch_size // world
     group_ids = torch.arange(cfg.train_batch_size, device=device).repeat_interleave(cfg.rollout_n)   # [B]
     status, final_dir = "FAILED", None
     try:
-        if val_ids and cfg.val_before_train:
-            val_metrics, samples = run_validation(cfg, accelerator, engine, scorer, tokenizer, val_texts, val_ids)
+        if val and cfg.val_before_train and not resumed:
+            val_metrics, samples = run_validation(cfg, accelerator, engine, scorer, tokenizer, val)
             tracker.log(0, val_metrics)
             tracker.log_samples(0, samples)
-        bar = tqdm(range(1, cfg.total_training_steps + 1), desc="ppo", disable=not accelerator.is_main_process)
+        bar = tqdm(range(first_step, cfg.total_training_steps + 1), desc="ppo", initial=first_step - 1,
+                   total=cfg.total_training_steps, disable=not accelerator.is_main_process)
         for step in bar:
             times: dict = {}
             step_start = time.perf_counter()
             idx = stream.next()[rank * per_rank:(rank + 1) * per_rank]     # this rank's prompts
-            prompts_text = [train_texts[i] for i in idx for _ in range(cfg.rollout_n)]
-            prompts_ids = [train_ids[i] for i in idx for _ in range(cfg.rollout_n)]
+            prompts = train.take(idx, cfg.rollout_n)                        # one row per response
 
             # 1 generate: rollout_n responses per prompt, prompt-major order
             with timed(times, "gen"):
                 engine.wake_up()
-                rollout = engine.generate([train_ids[i] for i in idx], sampling)
+                rollout = engine.generate(train.take(idx).ids, sampling)
                 engine.sleep()
-                batch = to_device(pack_batch(prompts_ids, rollout.responses, tokenizer.pad_token_id), device)
+                batch = to_device(pack_batch(prompts.ids, rollout.responses, tokenizer.pad_token_id), device)
                 mask = batch["response_mask"]                                                         # [b, R]
 
             # 2 score: one score per sequence, on its last response token
             with timed(times, "score"):
-                scores = scorer(prompts_text, rollout.responses, batch, micro).to(device)             # [b]
+                scores = scorer(prompts, rollout.responses, batch, micro).to(device)                  # [b]
                 token_scores = place_scores(scores, mask)                                             # [b, R]
 
             # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
@@ -1173,13 +1359,26 @@ def main(cfg: Config) -> None:
             metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]
 
             # 8 validate
-            if val_ids and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
+            if val and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
                 start = time.perf_counter()
-                val_metrics, samples = run_validation(cfg, accelerator, engine, scorer, tokenizer, val_texts, val_ids)
+                val_metrics, samples = run_validation(cfg, accelerator, engine, scorer, tokenizer, val)
                 metrics.update(val_metrics)
                 metrics["time/val_s"] = time.perf_counter() - start
                 tracker.log_samples(step, samples)
             tracker.log(step, metrics)
+
+            # 8 checkpoint (on its frequency, or when asked to stop)
+            stopping = stop.agreed(accelerator)
+            if stopping or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
+                save_checkpoint(accelerator, ds, cfg, step, trained, {
+                    "kl_ctrl": kl_ctrl.state_dict(), "data": {"epoch": stream.epoch, "pos": stream.pos},
+                    "mlflow_run_id": tracker.run_id})
+            if stopping:
+                if accelerator.is_main_process:
+                    print(f"stopped by a signal after step {step}; checkpoint saved, resume with the same command",
+                          flush=True)
+                status = "KILLED"
+                return
 
         final_dir = save_final(accelerator, actor, tokenizer, out_dir, ds)
         status = "FINISHED"

@@ -1,1 +1,3 @@
-"""Reward functions for PPO: each is `compute_score(prompts, responses) -> list[float]`, picked by `reward_fn="module:function"`."""
+"""Reward functions for PPO, picked by `reward_fn="module:function"`: each is called as
+`fn(prompts, responses) -> list[float]`; a function whose signature has more parameters after those
+two (rewards.gsm8k's `ground_truth`) names dataset columns it needs, one value per sample."""

@@ -1,0 +1,493 @@
+"""Translate a verl PPO config (ppo_trainer YAML and/or Hydra command-line overrides) into this toolkit's YAML.
+
+    python scripts/verl_to_config.py --verl_config my_ppo_trainer.yaml -o configs/mine.yaml
+    python scripts/verl_to_config.py -o configs/mine.yaml \\
+        data.train_batch_size=256 actor_rollout_ref.actor.optim.lr=1e-6 algorithm.kl_ctrl.kl_coef=0.001
+
+Overrides are the `key=value` arguments of verl's example scripts (`+key=value`, `++key=value` and
+`~key` work as in Hydra); they apply after the YAML files, in order. verl's defaults are not
+available offline, so only what you give is translated: anything you leave out takes this
+toolkit's default (python train_ppo.py --help), which is not always verl's.
+
+Every verl key given is accounted for: the ones carried are written with the verl key they came
+from, and every one that cannot be carried is printed (stderr) with its value and the reason, and
+kept as a comment at the end of the output file. A key is carried only if this toolkit's Config has
+the target key (checked at run time, so keys the toolkit gains later are picked up) and the value
+is valid for it.
+"""
+import argparse
+import dataclasses
+import fnmatch
+import os
+import re
+import sys
+import typing
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_ppo  # noqa: E402  (the Config this translates to)
+
+
+class NotCarried(Exception):
+    """A verl value that has no faithful counterpart here; the message says why."""
+
+
+# ---- value converters (a converter returns the toolkit's value or raises NotCarried) -------------
+def _path(value):
+    return os.path.expanduser(os.path.expandvars(str(value)))
+
+
+def _files(value):
+    # verl takes one path or a list; the toolkit takes a comma-separated string
+    return ",".join(_path(v) for v in (value if isinstance(value, list) else [value]))
+
+
+def _one_of(*allowed):
+    def convert(value):
+        if value not in allowed:
+            raise NotCarried(f"the toolkit supports only {', '.join(map(str, allowed))}")
+        return value
+    return convert
+
+
+def _top_k(value):
+    return -1 if value == 0 else value          # verl: 0 (hf) and -1 (vllm) both mean "off"
+
+
+def _warmup_steps(value):
+    if isinstance(value, int) and value < 0:
+        raise NotCarried("verl's -1 means 'use lr_warmup_steps_ratio'; set lr_warmup_steps yourself")
+    return value
+
+
+def _resume_mode(value):
+    if value == "resume_path":
+        raise NotCarried("a verl checkpoint cannot be resumed here; set resume to one of this toolkit's checkpoints")
+    return {"auto": "auto", "disable": "never"}.get(value, value)
+
+
+def _greedy_validation(value):
+    if value is False:
+        return 0.0                              # do_sample=false: greedy, whatever the temperature
+    raise NotCarried("the toolkit samples for validation when val_temperature > 0 "
+                     "(see actor_rollout_ref.rollout.val_kwargs.temperature)")
+
+
+# ---- the mapping: verl key -> toolkit key, or (toolkit key, converter) ---------------------------
+# Targets that train_ppo.Config may not have yet (use_dynamic_bsz, lora_*, overlong_*, ...) are the
+# names the design and issues give them; until the toolkit has them, they are reported as not carried.
+A, R = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
+MAPPING = {
+    # data
+    "data.train_files": ("train_files", _files),
+    "data.val_files": ("val_files", _files),
+    "data.prompt_key": "prompt_key",
+    "data.max_prompt_length": "max_prompt_length",
+    "data.max_response_length": "max_response_length",
+    "data.train_batch_size": "train_batch_size",
+    "data.truncation": ("prompt_truncation", _one_of("error", "left")),
+    "data.seed": "seed",
+    # models
+    "actor_rollout_ref.model.path": ("model_path", _path),
+    "actor_rollout_ref.model.lora_rank": "lora_rank",
+    "actor_rollout_ref.model.lora_alpha": "lora_alpha",
+    "actor_rollout_ref.model.target_modules": "lora_target_modules",
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "ref_offload",
+    "critic.model.path": ("critic_model_path", _path),
+    "reward_model.model.path": ("reward_model_path", _path),
+    "reward_model.model.fsdp_config.param_offload": "reward_offload",
+    "reward_model.overlong_buffer.len": "overlong_buffer_len",
+    "reward_model.overlong_buffer.penalty_factor": "overlong_penalty_factor",
+    # actor
+    A + "optim.lr": "actor_lr",
+    A + "optim.weight_decay": "weight_decay",
+    A + "optim.lr_warmup_steps": ("lr_warmup_steps", _warmup_steps),
+    A + "optim.warmup_style": "lr_scheduler_type",
+    A + "optim.lr_scheduler_type": "lr_scheduler_type",
+    A + "ppo_mini_batch_size": "ppo_mini_batch_size",
+    A + "ppo_micro_batch_size_per_gpu": "ppo_micro_batch_size_per_device",
+    A + "use_dynamic_bsz": "use_dynamic_bsz",
+    A + "ppo_max_token_len_per_gpu": "ppo_max_token_len_per_device",
+    A + "ppo_epochs": "ppo_epochs",
+    A + "clip_ratio": "clip_ratio",
+    A + "clip_ratio_low": "clip_ratio_low",
+    A + "clip_ratio_high": "clip_ratio_high",
+    A + "clip_ratio_c": "clip_ratio_c",
+    A + "entropy_coeff": "entropy_coeff",
+    A + "use_kl_loss": "use_kl_loss",
+    A + "kl_loss_coef": "kl_loss_coef",
+    A + "kl_loss_type": "kl_loss_type",
+    A + "loss_agg_mode": "loss_agg_mode",
+    A + "grad_clip": "max_grad_norm",
+    # rollout
+    R + "name": ("rollout_engine", _one_of("vllm", "hf")),
+    R + "n": "rollout_n",
+    R + "temperature": "temperature",
+    R + "top_p": "top_p",
+    R + "top_k": ("top_k", _top_k),
+    R + "ignore_eos": "rollout_ignore_eos",
+    R + "prompt_length": "max_prompt_length",
+    R + "response_length": "max_response_length",
+    R + "val_kwargs.do_sample": ("val_temperature", _greedy_validation),   # before .temperature: it wins
+    R + "val_kwargs.temperature": "val_temperature",
+    # critic (shared keys must agree with the actor's: the toolkit has one value for both)
+    "critic.optim.lr": "critic_lr",
+    "critic.optim.weight_decay": "weight_decay",
+    "critic.optim.lr_warmup_steps": ("lr_warmup_steps", _warmup_steps),
+    "critic.grad_clip": "critic_max_grad_norm",
+    "critic.cliprange_value": "cliprange_value",
+    "critic.ppo_mini_batch_size": "ppo_mini_batch_size",
+    "critic.ppo_micro_batch_size_per_gpu": "ppo_micro_batch_size_per_device",
+    "critic.ppo_epochs": "ppo_epochs",
+    "critic.loss_agg_mode": "loss_agg_mode",
+    "critic.use_dynamic_bsz": "use_dynamic_bsz",
+    "critic.rollout_n": "rollout_n",
+    # algorithm
+    "algorithm.adv_estimator": "adv_estimator",
+    "algorithm.gamma": "gamma",
+    "algorithm.lam": "lam",
+    "algorithm.norm_adv_by_std_in_grpo": "norm_adv_by_std_in_grpo",
+    "algorithm.use_kl_in_reward": "use_kl_in_reward",
+    "algorithm.kl_penalty": "kl_penalty",
+    "algorithm.kl_ctrl.type": "kl_ctrl_type",
+    "algorithm.kl_ctrl.kl_coef": "kl_coef",
+    "algorithm.kl_ctrl.target_kl": "target_kl",
+    "algorithm.kl_ctrl.horizon": "kl_horizon",
+    # trainer (trainer.total_epochs: see _epochs_to_steps)
+    "trainer.total_training_steps": "total_training_steps",
+    "trainer.save_freq": "save_freq",
+    "trainer.resume_mode": ("resume", _resume_mode),
+    "trainer.max_actor_ckpt_to_keep": "save_total_limit",
+    "trainer.max_critic_ckpt_to_keep": "save_total_limit",
+    "trainer.test_freq": "test_freq",
+    "trainer.val_before_train": "val_before_train",
+    "trainer.critic_warmup": "critic_warmup",
+    "trainer.default_local_dir": ("output_dir", _path),
+    "trainer.project_name": "mlflow_experiment",
+    "trainer.experiment_name": "run_name",
+}
+
+# verl keys that only switch others on: carried as the keys they enable (verl's default is off).
+GATES = {
+    "reward_model.model.path": "reward_model.enable",
+    "reward_model.model.fsdp_config.param_offload": "reward_model.enable",
+    "reward_model.overlong_buffer.len": "reward_model.overlong_buffer.enable",
+    "reward_model.overlong_buffer.penalty_factor": "reward_model.overlong_buffer.enable",
+}
+
+# verl values that are this toolkit's fixed behaviour: nothing to set when the value matches.
+FIXED = {
+    R + "do_sample": True,
+    R + "val_kwargs.n": 1,
+    A + "policy_loss.loss_mode": "vanilla",
+    "data.shuffle": True,
+    "algorithm.use_pf_ppo": False,
+}
+
+# Why common verl keys have no counterpart (fnmatch patterns; the first match wins).
+HINTS = {
+    "*._target_": "Hydra bookkeeping, not a setting",
+    "defaults": "Hydra bookkeeping: the files it names are not read; pass them with --verl_config",
+    "hydra.*": "Hydra bookkeeping, not a setting",
+    "trainer.n_gpus_per_node": "set by `accelerate launch --num_processes`",
+    "trainer.nnodes": "set by `accelerate launch --num_machines`",
+    "trainer.logger": "the toolkit always writes metrics.jsonl and an MLflow run",
+    "*fsdp_config.*": "sharding and offload come from the accelerate config (accelerate_configs/, ds_configs/)",
+    "*log_prob_micro_batch_size*": "the toolkit's forward passes use ppo_micro_batch_size_per_device",
+    "*ulysses_sequence_parallel_size": "no sequence parallelism",
+    R + "tensor_model_parallel_size": "vLLM runs colocated, one engine per rank, without tensor parallelism",
+    "*.lr_warmup_steps_ratio": "set lr_warmup_steps = ratio x total_training_steps",
+    "*ppo_micro_batch_size": "verl's global micro-batch: set ppo_micro_batch_size_per_device = it / number of GPUs",
+    "custom_reward_function.*": "verl reward functions take (data_source, solution_str, ground_truth, extra_info); "
+                                "set reward_fn to a toolkit function, e.g. rewards.gsm8k:compute_score",
+    "reward_model.reward_manager": "one reward function per run: set reward_fn",
+    "critic.enable": "the toolkit builds a critic exactly when adv_estimator needs one (gae)",
+    "*profiler*": "no profiler settings",
+    "ray_kwargs.*": "no Ray",
+    "trainer.resume_from_path": "a verl checkpoint cannot be resumed here",
+}
+
+
+# ---- reading verl's YAML and overrides ----------------------------------------------------------
+class _Loader(yaml.SafeLoader):
+    """PyYAML reads 1e-6 as a string; OmegaConf (verl) reads it as a float, and so does this."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:float"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                   |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def parse_value(text: str):
+    """A Hydra override value: 1e-6, true, null, [a, b], 'quoted', or a plain string."""
+    if text == "":
+        return ""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError:
+        return text
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def read_verl(yaml_files: list[str], overrides: list[str]) -> dict:
+    """verl's settings as {dotted key: value}: the YAML files in order, then the overrides."""
+    flat: dict = {}
+    for path in yaml_files:
+        if not Path(path).is_file():
+            raise SystemExit(f"error: {path}: no such file")
+        tree = yaml.load(Path(path).read_text(), Loader=_Loader) or {}
+        if not isinstance(tree, dict):
+            raise SystemExit(f"error: {path}: a verl config is a mapping, got {type(tree).__name__}")
+        flat.update(flatten(tree))
+    for item in overrides:
+        if item.startswith("~"):                          # Hydra: delete the key (and what is under it)
+            key = item[1:].split("=", 1)[0]
+            flat = {k: v for k, v in flat.items() if k != key and not k.startswith(key + ".")}
+            continue
+        if "=" not in item:
+            raise SystemExit(f"error: override {item!r} is not key=value")
+        key, text = item.lstrip("+").split("=", 1)
+        value = parse_value(text)
+        flat = {k: v for k, v in flat.items() if not k.startswith(key + ".")}
+        flat.update(flatten(value, key + ".") if isinstance(value, dict) and value else {key: value})
+    return flat
+
+
+_INTERP = re.compile(r"\$\{([^}]*)\}")
+_UNRESOLVED = object()
+
+
+def resolve(flat: dict) -> dict:
+    """OmegaConf interpolations: ${a.b}, ${.sibling}, ${oc.select:a.b,default}, also inside a string.
+    One that points to a key not given stays as written, and is then reported, not carried."""
+    def lookup(expr: str, key: str, depth: int):
+        default = _UNRESOLVED
+        if expr.startswith("oc.select:"):
+            expr, comma, fallback = expr[len("oc.select:"):].partition(",")
+            if comma:
+                default = parse_value(fallback.strip().strip("'\""))
+        if expr.startswith("."):                          # relative: a sibling of `key`
+            expr = key.rsplit(".", 1)[0] + expr if "." in key else expr[1:]
+        if expr in flat and ":" not in expr and depth < 10:
+            return value_of(expr, depth + 1)
+        return default                                    # oc.env and other resolvers: not resolved
+
+    def value_of(key: str, depth: int = 0):
+        value = flat[key]
+        if not isinstance(value, str) or "${" not in value:
+            return value
+        whole = _INTERP.fullmatch(value)
+        if whole:
+            found = lookup(whole.group(1), key, depth)
+            return value if found is _UNRESOLVED else found
+        parts = {m.group(0): lookup(m.group(1), key, depth) for m in _INTERP.finditer(value)}
+        if any(p is _UNRESOLVED for p in parts.values()):
+            return value
+        for text, part in parts.items():
+            value = value.replace(text, str(part))
+        return value
+
+    return {key: value_of(key) for key in flat}
+
+
+# ---- the translation ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Translation:
+    carried: dict       # toolkit key -> (value, the verl key it came from, how, if not as it was)
+    used: list          # (verl key, value, note): consumed with nothing (more) to set
+    not_carried: list   # (verl key, value, reason)
+
+
+def translate(flat: dict) -> Translation:
+    """Map resolved verl settings {dotted key: value} onto train_ppo.Config's keys."""
+    hints = typing.get_type_hints(train_ppo.Config)
+    out = Translation({}, [], [])
+    gates = set(GATES.values())
+    # Mapped keys go in MAPPING's order: where two verl keys set one toolkit key, the first listed is the
+    # source and a different value from the second is a conflict (val_kwargs.do_sample=false comes before
+    # val_kwargs.temperature because verl then validates greedily whatever the temperature says).
+    rank = {key: i for i, key in enumerate(MAPPING)}
+    for key in sorted(flat, key=lambda k: rank.get(k, len(rank))):
+        value = flat[key]
+        if key == "trainer.total_epochs":
+            continue                                      # after the loop: needs the batch size
+        if key in gates:
+            enables = [k for k, g in GATES.items() if g == key and k in flat]
+            out.used.append((key, value, f"switches on {', '.join(enables)}" if value is True and enables
+                             else "a switch: what it enables is carried only when it is true"))
+            continue
+        if key in FIXED:
+            if value == FIXED[key] and type(value) is type(FIXED[key]):
+                out.used.append((key, value, "the toolkit's fixed behaviour"))
+            else:
+                out.not_carried.append((key, value, f"the toolkit supports only {FIXED[key]!r}"))
+            continue
+        if key not in MAPPING:
+            reason = next((why for pattern, why in HINTS.items() if fnmatch.fnmatchcase(key, pattern)),
+                          "no counterpart in the toolkit")
+            out.not_carried.append((key, value, reason))
+            continue
+        try:
+            target, value = _carry(key, value, flat, hints)
+        except NotCarried as e:
+            out.not_carried.append((key, flat[key], str(e)))
+            continue
+        if target in out.carried:
+            other_value, other, _ = out.carried[target]
+            if other_value != value:
+                out.not_carried.append((key, flat[key], f"conflicts with {other}, which sets {target}="
+                                                        f"{other_value!r}: the toolkit has one {target}"))
+            else:
+                out.used.append((key, flat[key], f"same {target} as {other}"))
+            continue
+        out.carried[target] = (value, key, "")
+    _epochs_to_steps(flat, out)
+    position = {key: i for i, key in enumerate(flat)}        # report in the order the user wrote them
+    out.used.sort(key=lambda item: position[item[0]])
+    out.not_carried.sort(key=lambda item: position[item[0]])
+    return out
+
+
+def _carry(key: str, value, flat: dict, hints: dict):
+    """(toolkit key, checked value) for one mapped verl key, or NotCarried."""
+    target, convert = MAPPING[key] if isinstance(MAPPING[key], tuple) else (MAPPING[key], None)
+    if key in GATES and flat.get(GATES[key]) is not True:
+        raise NotCarried(f"verl ignores it unless {GATES[key]}=true")
+    if isinstance(value, str) and "${" in value:
+        raise NotCarried("an interpolation whose key is not given")
+    if value == "???":
+        raise NotCarried("verl's ??? (a value still to be given)")
+    if target not in hints:
+        raise NotCarried(f"the toolkit has no {target!r} key (yet)")
+    if convert is not None:
+        value = convert(value)
+    optional = typing.get_origin(hints[target]) is typing.Union
+    if value is None and not optional:
+        raise NotCarried(f"null (verl's 'not set'): {target} keeps the toolkit's default")
+    if isinstance(value, (list, dict)):
+        raise NotCarried(f"{target} takes one value, not a {type(value).__name__}")
+    try:
+        return target, train_ppo._coerce(target, value)
+    except train_ppo.UserError as e:
+        raise NotCarried(str(e)) from None
+
+
+def _epochs_to_steps(flat: dict, out: Translation) -> None:
+    """trainer.total_epochs -> total_training_steps, counted as verl does: epochs x (rows // batch)."""
+    key = "trainer.total_epochs"
+    if key not in flat:
+        return
+    epochs = flat[key]
+    if "total_training_steps" in out.carried:
+        out.not_carried.append((key, epochs, "trainer.total_training_steps is set, and verl uses it then too"))
+        return
+    if "train_batch_size" not in out.carried or "train_files" not in out.carried:
+        out.not_carried.append((key, epochs, "needs data.train_batch_size and data.train_files to count steps; "
+                                             "set total_training_steps yourself"))
+        return
+    batch, files = out.carried["train_batch_size"][0], out.carried["train_files"][0]
+    try:
+        rows = sum(_count_rows(p) for p in train_ppo._split_files(files))
+    except (OSError, ValueError) as e:
+        out.not_carried.append((key, epochs, f"cannot count the training rows ({e}); set total_training_steps "
+                                             f"= total_epochs x (rows // train_batch_size)"))
+        return
+    out.carried["total_training_steps"] = (int(epochs) * (rows // batch), key,
+                                           f"{epochs} epochs x ({rows} rows // {batch})")
+    if "trainer.total_training_steps" in flat:            # a null one: verl counts from the epochs too
+        out.used.append(("trainer.total_training_steps", flat["trainer.total_training_steps"],
+                         "null: counted from trainer.total_epochs"))
+        out.not_carried[:] = [n for n in out.not_carried if n[0] != "trainer.total_training_steps"]
+
+
+def _count_rows(path: str) -> int:
+    if not Path(path).is_file():
+        raise OSError(f"no file {path}")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return pq.ParquetFile(path).metadata.num_rows
+    if path.endswith((".jsonl", ".json")):
+        with open(path) as f:
+            return sum(1 for line in f if line.strip())
+    raise ValueError(f"{path}: not a .parquet or .jsonl file")
+
+
+# ---- output -------------------------------------------------------------------------------------
+def _show(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
+
+
+def to_yaml(t: Translation, sources: str) -> str:
+    order = [f.name for f in dataclasses.fields(train_ppo.Config)]
+    lines = [f"# Translated from verl ({sources}) by scripts/verl_to_config.py.",
+             "# Keys not written here take this toolkit's defaults (python train_ppo.py --help), not verl's."]
+    for name in sorted(t.carried, key=order.index):
+        value, source, how = t.carried[name]
+        lines.append(f"{name}: {_show(value)}  # {source}" + (f": {how}" if how else ""))
+    if t.not_carried:
+        lines.append("")
+        lines.append("# Not carried from verl (key: value  # why):")
+        lines += [f"#   {key}: {_show(value)}  # {why}" for key, value, why in t.not_carried]
+    return "\n".join(lines) + "\n"
+
+
+def report(t: Translation) -> str:
+    lines = [f"carried ({len(t.carried)}):"]
+    lines += [f"  {source} -> {name}: {_show(value)}" + (f"  ({how})" if how else "")
+              for name, (value, source, how) in t.carried.items()]
+    if t.used:
+        lines.append(f"nothing more to set ({len(t.used)}):")
+        lines += [f"  {key} = {_show(value)}  ({note})" for key, value, note in t.used]
+    lines.append(f"NOT carried ({len(t.not_carried)}):")
+    lines += [f"  {key} = {_show(value)}  ({why})" for key, value, why in t.not_carried]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("overrides", nargs="*", help="verl overrides: key=value, +key=value, ~key")
+    parser.add_argument("--verl_config", action="append", default=[], help="a verl ppo_trainer YAML (repeatable)")
+    parser.add_argument("-o", "--out", default="", help="write the toolkit YAML here (default: stdout)")
+    args = parser.parse_args(argv)
+    if not args.verl_config and not args.overrides:
+        parser.error("give --verl_config FILE and/or key=value overrides")
+    t = translate(resolve(read_verl(args.verl_config, args.overrides)))
+    sources = ", ".join(args.verl_config + ([f"{len(args.overrides)} overrides"] if args.overrides else []))
+    text = to_yaml(t, sources)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    print(report(t), file=sys.stderr)
+    try:
+        train_ppo.validate_config(train_ppo.Config(**{name: value for name, (value, *_) in t.carried.items()}))
+    except train_ppo.UserError as e:
+        print(f"note: the result does not run as it is yet: {e}", file=sys.stderr)
+    if args.out:
+        print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Checkpoints and exact resumption, single process on CPU, with real kills of the training process.
+
+The reference run is never interrupted; every interrupted-and-resumed run must reproduce its
+metrics.jsonl exactly (all values but timings) for every step.
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "train_ppo.py"
+ARGS = ["--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=16",
+        "--ppo_epochs=1", "--total_training_steps=6", "--save_freq=2", "--test_freq=3", "--save_total_limit=2"]
+
+
+def command(out, *extra):
+    return [sys.executable, str(SCRIPT), f"--output_dir={out}", *ARGS, *extra]
+
+
+def env_for(tmp):
+    return dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db", PYTHONUNBUFFERED="1")
+
+
+def run(tmp, out, *extra):
+    return subprocess.run(command(out, *extra), cwd=tmp, env=env_for(tmp), capture_output=True, text=True, timeout=600)
+
+
+def records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def comparable(rs):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rs]
+
+
+def steps_logged(out):
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    proc = run(tmp, tmp / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return records(tmp / "out")
+
+
+def start_and_kill(tmp, out, sig, after_lines, extra_delay):
+    proc = subprocess.Popen(command(out), cwd=tmp, env=env_for(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 300
+    while steps_logged(out) < after_lines and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(extra_delay)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=300)
+    return proc.returncode, stdout, stderr
+
+
+def test_sigkill_at_random_points_then_resume_matches_the_uninterrupted_run(tmp_path, reference):
+    rng = random.Random(os.getpid())
+    kill_points = [(rng.randint(2, 5), rng.uniform(0, 1.5)) for _ in range(2)]
+    matched = 0
+    for i, (lines, delay) in enumerate(kill_points):
+        out = tmp_path / f"out{i}"
+        start_and_kill(tmp_path, out, signal.SIGKILL, lines, delay)
+        proc = run(tmp_path, out)   # resume=auto picks the newest complete checkpoint
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = records(out)
+        assert [r["step"] for r in got] == list(range(7)), f"kill point {lines, delay}: steps duplicated or lost"
+        assert comparable(got) == comparable(reference), f"kill point {lines, delay} diverged"
+        matched += 1
+    assert matched == len(kill_points)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, reference):
+    out = tmp_path / "out"
+    code, stdout, _ = start_and_kill(tmp_path, out, signal.SIGTERM, 2, 0.0)
+    assert code == 0
+    assert "checkpoint saved" in stdout
+    stopped_at = records(out)[-1]["step"]
+    assert (out / "checkpoints" / f"step_{stopped_at}" / "trainer_state.json").is_file()
+    proc = run(tmp_path, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert comparable(records(out)) == comparable(reference)
+
+
+def test_partial_and_corrupted_checkpoints_are_skipped_with_a_warning(tmp_path, reference):
+    out = tmp_path / "out"
+    proc = run(tmp_path, out, "--total_training_steps=4")   # checkpoints at steps 2 and 4
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpts = out / "checkpoints"
+    # a save interrupted mid-write, and a step directory whose state file never landed
+    shutil.copytree(ckpts / "step_4", ckpts / ".tmp_step_6")
+    (ckpts / "step_4" / "trainer_state.json").unlink()
+    proc = run(tmp_path, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipping incomplete checkpoint" in proc.stderr and "step_4" in proc.stderr
+    assert "skipping partial checkpoint" in proc.stderr
+    assert "resuming from" in proc.stdout and "step_2" in proc.stdout
+    assert comparable(records(out)) == comparable(reference)
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_4", "step_6"]   # save_total_limit=2
+
+
+def test_checkpoint_from_a_different_config_is_refused_naming_the_keys(tmp_path):
+    out = tmp_path / "out"
+    proc = run(tmp_path, out, "--total_training_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run(tmp_path, out, "--actor_lr=0.5", "--clip_ratio=0.3")
+    assert proc.returncode != 0
+    assert "actor_lr" in proc.stderr and "clip_ratio" in proc.stderr and "--resume=never" in proc.stderr
+    assert [r["step"] for r in records(out)] == [0, 1, 2]   # nothing lost

@@ -1,0 +1,265 @@
+"""scripts/verl_to_config.py: a verl ppo_trainer YAML and Hydra overrides -> this toolkit's YAML.
+
+Checks the mapped values, that every verl key given is accounted for (carried, consumed, or listed as
+not carried with its value), that targets are looked up in train_ppo.Config at run time, and that the
+output loads through train_ppo.load_config. Expected values are written by hand.
+Run from the repo root: python -m pytest tests/test_verl_translator.py -q
+"""
+import dataclasses
+import sys
+import typing
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import train_ppo  # noqa: E402
+import verl_to_config as v2c  # noqa: E402
+
+VERL_YAML = """
+data:
+  train_files: {train}
+  val_files: [{val}]
+  prompt_key: prompt
+  max_prompt_length: 512
+  max_response_length: 256
+  train_batch_size: 1024
+  truncation: middle
+actor_rollout_ref:
+  model:
+    path: {model}
+  actor:
+    _target_: verl.workers.config.FSDPActorConfig
+    ppo_mini_batch_size: 16
+    ppo_micro_batch_size_per_gpu: 4
+    ppo_epochs: 4
+    clip_ratio: 0.2
+    clip_ratio_high: 0.28
+    clip_ratio_c: 3.0
+    entropy_coeff: 0
+    use_kl_loss: true
+    kl_loss_coef: 0.001
+    kl_loss_type: low_var_kl
+    loss_agg_mode: seq-mean-token-mean
+    grad_clip: 0.5
+    optim:
+      lr: 3e-6
+      weight_decay: 0.01
+  rollout:
+    name: vllm
+    n: 5
+    temperature: 0.9
+    top_k: 0
+    tensor_model_parallel_size: 2
+    prompt_length: ${{data.max_prompt_length}}
+    val_kwargs:
+      temperature: 0.6
+      do_sample: false
+critic:
+  model:
+    path: {model}
+  optim:
+    lr: 1e-5
+  ppo_micro_batch_size_per_gpu: 8
+  ppo_epochs: ${{oc.select:actor_rollout_ref.actor.ppo_epochs,1}}
+  cliprange_value: 0.25
+  grad_clip: 2.0
+reward_model:
+  enable: true
+  model:
+    path: {model}
+algorithm:
+  adv_estimator: gae
+  gamma: 0.99
+  lam: 0.9
+  use_kl_in_reward: true
+  kl_penalty: k2
+  kl_ctrl:
+    type: adaptive
+    kl_coef: 0.002
+    target_kl: 0.05
+    horizon: 5000
+trainer:
+  project_name: gsm8k_ppo
+  experiment_name: run1
+  default_local_dir: {out}/${{trainer.project_name}}/${{trainer.experiment_name}}
+  logger: [console, wandb]
+  n_gpus_per_node: 8
+  test_freq: 5
+  critic_warmup: 2
+  val_before_train: false
+  total_epochs: 3
+  total_training_steps: null
+"""
+
+OVERRIDES = [
+    "data.train_batch_size=32",                          # overrides the YAML's 1024
+    "actor_rollout_ref.actor.optim.lr=1e-6",             # Hydra reads 1e-6 as a float
+    "algorithm.kl_ctrl.kl_coef=0.001",
+    "+data.some_new_knob=7",                             # unknown to the toolkit
+    "~actor_rollout_ref.actor.clip_ratio_high",          # deleted: must not appear anywhere
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+]
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A model dir and 100-row train / 10-row val parquet files, so the output can load."""
+    model = tmp_path / "model"
+    model.mkdir()
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    pd.DataFrame({"prompt": [f"{i}+1=" for i in range(100)]}).to_parquet(train)
+    pd.DataFrame({"prompt": [f"{i}+2=" for i in range(10)]}).to_parquet(val)
+    verl = tmp_path / "verl.yaml"
+    verl.write_text(VERL_YAML.format(train=train, val=val, model=model, out=tmp_path / "ckpt"))
+    return tmp_path, verl
+
+
+def run(workspace, capsys, *extra):
+    tmp, verl = workspace
+    out = tmp / "toolkit.yaml"
+    v2c.main(["--verl_config", str(verl), "-o", str(out), *OVERRIDES, *extra])
+    return out, capsys.readouterr().err
+
+
+def test_mapped_values(workspace, capsys):
+    tmp, _ = workspace
+    out, _ = run(workspace, capsys)
+    cfg = yaml.safe_load(out.read_text())
+    assert cfg["train_files"] == str(tmp / "train.parquet")
+    assert cfg["val_files"] == str(tmp / "val.parquet")          # a one-element list
+    assert cfg["model_path"] == cfg["critic_model_path"] == cfg["reward_model_path"] == str(tmp / "model")
+    assert (cfg["max_prompt_length"], cfg["max_response_length"], cfg["prompt_key"]) == (512, 256, "prompt")
+    assert cfg["train_batch_size"] == 32
+    assert (cfg["actor_lr"], cfg["critic_lr"], cfg["weight_decay"]) == (1e-6, 1e-5, 0.01)
+    assert (cfg["ppo_mini_batch_size"], cfg["ppo_micro_batch_size_per_device"], cfg["ppo_epochs"]) == (16, 4, 4)
+    assert (cfg["clip_ratio"], cfg["clip_ratio_c"], cfg["entropy_coeff"]) == (0.2, 3.0, 0.0)
+    assert "clip_ratio_high" not in cfg
+    assert (cfg["use_kl_loss"], cfg["kl_loss_coef"], cfg["kl_loss_type"]) == (True, 0.001, "low_var_kl")
+    assert cfg["loss_agg_mode"] == "seq-mean-token-mean"
+    assert (cfg["max_grad_norm"], cfg["critic_max_grad_norm"], cfg["cliprange_value"]) == (0.5, 2.0, 0.25)
+    assert (cfg["rollout_engine"], cfg["rollout_n"], cfg["temperature"], cfg["top_k"]) == ("vllm", 5, 0.9, -1)
+    assert cfg["val_temperature"] == 0.0                          # do_sample: false wins over temperature 0.6
+    assert (cfg["adv_estimator"], cfg["gamma"], cfg["lam"]) == ("gae", 0.99, 0.9)
+    assert (cfg["use_kl_in_reward"], cfg["kl_penalty"], cfg["kl_ctrl_type"]) == (True, "k2", "adaptive")
+    assert (cfg["kl_coef"], cfg["target_kl"], cfg["kl_horizon"]) == (0.001, 0.05, 5000)
+    assert cfg["output_dir"] == str(tmp / "ckpt" / "gsm8k_ppo" / "run1")
+    assert (cfg["mlflow_experiment"], cfg["run_name"]) == ("gsm8k_ppo", "run1")
+    assert (cfg["test_freq"], cfg["critic_warmup"], cfg["val_before_train"]) == (5, 2, False)
+    assert cfg["total_training_steps"] == 9                       # 3 epochs x (100 rows // 32)
+
+
+def test_unmapped_keys_are_listed_with_their_values(workspace, capsys):
+    out, err = run(workspace, capsys)
+    not_carried = err[err.index("NOT carried"):]
+    for line in ["data.truncation = middle",
+                 "actor_rollout_ref.actor._target_ = verl.workers.config.FSDPActorConfig",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size = 2",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 16",
+                 "actor_rollout_ref.rollout.val_kwargs.temperature = 0.6",
+                 "critic.ppo_micro_batch_size_per_gpu = 8",     # conflicts with the actor's 4
+                 "trainer.logger = [console, wandb]",
+                 "trainer.n_gpus_per_node = 8",
+                 "data.some_new_knob = 7"]:
+        assert line in not_carried, line
+    assert "conflicts with actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu" in not_carried
+    assert "clip_ratio_high" not in err
+    # the same list stays in the output file, as comments
+    text = out.read_text()
+    assert "#   actor_rollout_ref.rollout.tensor_model_parallel_size: 2  #" in text
+    assert "#   data.some_new_knob: 7  #" in text
+
+
+def test_every_given_key_is_accounted_for_once(workspace):
+    tmp, verl = workspace
+    flat = v2c.resolve(v2c.read_verl([str(verl)], OVERRIDES))
+    t = v2c.translate(flat)
+    sources = [source for _, source, _ in t.carried.values()]
+    used = [key for key, _, _ in t.used]
+    dropped = [key for key, _, _ in t.not_carried]
+    assert sorted(sources + used + dropped) == sorted(flat)
+
+
+def test_output_loads_through_train_ppo(workspace, capsys):
+    out, _ = run(workspace, capsys)
+    cfg = train_ppo.load_config(["--config", str(out)])
+    assert cfg.actor_lr == 1e-6 and cfg.kl_ctrl_type == "adaptive" and cfg.total_training_steps == 9
+    assert cfg.reward_model_path.endswith("model")
+
+
+def test_overrides_alone_and_yaml_style_values():
+    flat = v2c.resolve(v2c.read_verl([], [
+        "actor_rollout_ref.actor.optim.lr=5e-7", "data.train_files=['a.parquet','b.parquet']",
+        "trainer.val_before_train=False", "actor_rollout_ref.rollout.name=sglang", "trainer.total_training_steps=null"]))
+    t = v2c.translate(flat)
+    assert t.carried["actor_lr"][0] == 5e-7
+    assert t.carried["train_files"][0] == "a.parquet,b.parquet"
+    assert t.carried["val_before_train"][0] is False
+    reasons = {key: why for key, _, why in t.not_carried}
+    assert "vllm" in reasons["actor_rollout_ref.rollout.name"]      # sglang: not an engine here
+    assert "null" in reasons["trainer.total_training_steps"]
+
+
+def test_reward_model_path_needs_enable():
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], ["reward_model.model.path=/rm"])))
+    assert "reward_model_path" not in t.carried
+    assert [key for key, _, _ in t.not_carried] == ["reward_model.model.path"]
+
+
+def test_unresolved_interpolation_is_not_carried():
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], ["trainer.default_local_dir=${oc.env:HOME}/ckpt"])))
+    assert "output_dir" not in t.carried
+    assert t.not_carried[0][0] == "trainer.default_local_dir"
+
+
+def _config_class(add: dict = (), drop: tuple = ()):
+    """train_ppo.Config with fields added or removed, as the toolkit may look later (or did before)."""
+    hints = typing.get_type_hints(train_ppo.Config)
+    fields = [(f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
+              for f in dataclasses.fields(train_ppo.Config) if f.name not in drop]
+    fields += [(name, type(default), dataclasses.field(default=default)) for name, default in dict(add).items()
+               if name not in hints]
+    return dataclasses.make_dataclass("Config", fields)
+
+
+def test_targets_are_looked_up_in_config_at_run_time(monkeypatch):
+    flat = v2c.resolve(v2c.read_verl([], ["trainer.save_freq=10", "actor_rollout_ref.model.lora_rank=16"]))
+
+    monkeypatch.setattr(train_ppo, "Config", _config_class(drop=("save_freq", "lora_rank")))
+    t = v2c.translate(flat)
+    assert t.carried == {}
+    assert {key: why for key, _, why in t.not_carried} == {
+        "trainer.save_freq": "the toolkit has no 'save_freq' key (yet)",
+        "actor_rollout_ref.model.lora_rank": "the toolkit has no 'lora_rank' key (yet)"}
+
+    monkeypatch.setattr(train_ppo, "Config", _config_class(add={"save_freq": -1, "lora_rank": 0}))
+    t = v2c.translate(flat)
+    assert t.carried["save_freq"][0] == 10 and t.carried["lora_rank"][0] == 16
+    assert t.not_carried == []
+
+
+def test_resume_and_checkpoint_keys(monkeypatch):
+    monkeypatch.setattr(train_ppo, "Config", _config_class(add={"resume": "auto", "save_total_limit": 2}))
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], ["trainer.resume_mode=disable", "trainer.max_actor_ckpt_to_keep=3",
+                                                     "trainer.max_critic_ckpt_to_keep=5"])))
+    assert t.carried["resume"][0] == "never" and t.carried["save_total_limit"][0] == 3
+    assert [key for key, _, _ in t.not_carried] == ["trainer.max_critic_ckpt_to_keep"]   # one limit here
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], ["trainer.resume_mode=resume_path",
+                                                     "trainer.resume_from_path=/ckpt/global_step_5"])))
+    assert "resume" not in t.carried and len(t.not_carried) == 2
+
+
+def test_bad_value_types_are_not_carried():
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], ["data.train_batch_size=lots", "algorithm.gamma=0.99"])))
+    assert "train_batch_size" not in t.carried and t.carried["gamma"][0] == 0.99
+    assert t.not_carried[0][0] == "data.train_batch_size" and "int" in t.not_carried[0][2]
+
+
+def test_a_bad_override_is_an_error():
+    with pytest.raises(SystemExit):
+        v2c.read_verl([], ["data.train_batch_size"])
