@@ -76,7 +76,11 @@ def test_converted_prompts_load_through_the_trainer_with_a_chat_template(gsm8k_f
     prepare_gsm8k.main(["--train", str(train), "--test", str(test), "--out", str(tmp_path)])
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "examples" / "demo_model")
     tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
-    texts, ids = train_ppo.load_prompts(str(tmp_path / "val.parquet"), "prompt", tokenizer, 10_000, "error")
+    prompts = train_ppo.load_prompts(str(tmp_path / "val.parquet"), "prompt", tokenizer, 10_000, "error",
+                                     columns=["ground_truth"], reward_fn="rewards.gsm8k:compute_score")
+    texts, ids = prompts.texts, prompts.ids
+    assert prompts.columns["ground_truth"] == [TEST_ROWS[0]["answer"].split("####")[-1].strip().replace(",", ""),
+                                               TEST_ROWS[1]["answer"].split("####")[-1].strip().replace(",", "")]
     assert texts == ["<user>" + TEST_ROWS[0]["question"] + SUFFIX + "<assistant>",
                      "<user>" + TEST_ROWS[1]["question"] + SUFFIX + "<assistant>"]
     assert len(ids) == 2 and all(ids)
