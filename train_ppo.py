@@ -80,6 +80,12 @@ class Config:
     rollout_n: int = opt(4, "responses sampled per prompt")
     rollout_ignore_eos: bool = opt(False, "keep sampling past EOS (fixed-length responses, for benchmarks)")
     rollout_micro_batch_size: int = opt(256, "sequences per generate() call (hf engine)")
+    rollout_sleep: bool = opt(True, "vllm: free the engine's weights and KV cache while the models train (GPU)")
+    rollout_gpu_memory_utilization: float = opt(0.5, "vllm on GPU: share of GPU memory the engine may take")
+    rollout_kv_cache_gb: float = opt(1.0, "vllm on CPU: KV cache size in GiB")
+    rollout_sync_bucket_mb: float = opt(256.0, "vllm: weight sync gathers ZeRO-3 shards this many MiB at a time")
+    rollout_fallback_hf: bool = opt(False, "vllm: if the engine cannot start, generate with the hf engine instead")
+    rollout_max_logprob_diff: float = opt(0.0, "stop the run when rollout/logprob_diff exceeds this; 0 = never")
     temperature: float = opt(1.0, "sampling temperature for rollouts; log-probs use the same temperature")
     top_p: float = opt(1.0, "nucleus sampling for rollouts")
     top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")
@@ -915,11 +921,45 @@ def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet) 
     return metrics, samples
 
 
-def make_engine(cfg: Config, actor, tokenizer, contexts):
-    if cfg.rollout_engine == "vllm":
-        raise UserError("rollout_engine=vllm is not available yet in this build; use rollout_engine=hf")
+def make_engine(cfg: Config, actor, tokenizer, contexts, world: int, rank: int):
+    """The rollout engine of cfg.rollout_engine. vLLM runs in this process (one engine per rank)
+    and gets the actor's weights after every update; the hf engine generates on the actor itself."""
     from rollout.hf import HFEngine
+    if cfg.rollout_engine == "vllm":
+        from rollout.vllm import VLLMEngine
+        try:
+            return VLLMEngine(cfg.model_path, dtype=cfg.dtype, seed=cfg.seed + rank,
+                              max_model_len=cfg.max_prompt_length + cfg.max_response_length,
+                              kv_cache_gb=cfg.rollout_kv_cache_gb,
+                              gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
+                              enable_sleep_mode=cfg.rollout_sleep, distributed=world > 1,
+                              eos_token_id=tokenizer.eos_token_id)
+        except RuntimeError as e:
+            if not cfg.rollout_fallback_hf:
+                raise UserError(f"{e}\n(or set rollout_fallback_hf=true to generate with the hf engine)") from None
+            print(f"warning: vLLM did not start, generating with the hf engine (rollout_fallback_hf): {e}",
+                  file=sys.stderr)
     return HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout_micro_batch_size, contexts)
+
+
+def actor_weights(actor, ds: bool, bucket_mb: float):
+    """(Hugging Face name, tensor) pairs of the actor for the rollout engine. Under ZeRO-3 the
+    shards are gathered a bucket of about bucket_mb at a time and released after, so no rank ever
+    holds the whole model; the engine consumes the generator as it goes."""
+    module = actor.module if ds else actor
+    named = list(module.named_parameters())
+    if not ds or actor.zero_optimization_stage() != 3:
+        yield from ((name, p.data) for name, p in named)
+        return
+    import deepspeed
+    budget, bucket, size = bucket_mb * 2**20, [], 0
+    for i, (name, p) in enumerate(named):
+        bucket.append((name, p))
+        size += p.ds_numel * p.element_size()
+        if size >= budget or i == len(named) - 1:
+            with deepspeed.zero.GatheredParameters([q for _, q in bucket]):
+                yield from ((n, q.data) for n, q in bucket)
+            bucket, size = [], 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1265,7 +1305,8 @@ def main(cfg: Config) -> None:
     scorer.reward_model = reward_model
     kl_ctrl = kl.make_kl_controller(cfg.kl_ctrl_type, cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
     unwrapped = accelerator.unwrap_model(actor)
-    engine = make_engine(cfg, unwrapped, tokenizer, [gathered_params(actor, ds), autocast])
+    engine = make_engine(cfg, unwrapped, tokenizer, [gathered_params(actor, ds), autocast], world, rank)
+    engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))   # e.g. a resumed actor
     sampling = SamplingParams(n=cfg.rollout_n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
     trained = {"actor": (actor, actor_optim, actor_sched)}
@@ -1300,9 +1341,8 @@ def main(cfg: Config) -> None:
 
             # 1 generate: rollout_n responses per prompt, prompt-major order
             with timed(times, "gen"):
-                engine.wake_up()
                 rollout = engine.generate(train.take(idx).ids, sampling)
-                engine.sleep()
+                engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
                 batch = to_device(pack_batch(prompts.ids, rollout.responses, tokenizer.pad_token_id), device)
                 mask = batch["response_mask"]                                                         # [b, R]
 
@@ -1335,9 +1375,11 @@ def main(cfg: Config) -> None:
                     metrics["actor/lr"] = actor_sched.get_last_lr()[0]
                     actor_sched.step()
 
-            # 6 sync weights into the rollout engine (the hf engine generates on the actor itself)
+            # 6 sync: the updated actor into the rollout engine (a no-op for hf: it is the actor)
             with timed(times, "sync"):
-                engine.load_weights(())
+                engine.wake_up(["weights"])
+                engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))
+                engine.wake_up(["kv_cache"])
 
             # 7 log: one record per step, each metric reduced over ranks once
             with timed(times, "log"):
@@ -1366,6 +1408,10 @@ def main(cfg: Config) -> None:
                 metrics["time/val_s"] = time.perf_counter() - start
                 tracker.log_samples(step, samples)
             tracker.log(step, metrics)
+            drift = metrics.get("rollout/logprob_diff", 0.0)
+            if cfg.rollout_max_logprob_diff > 0 and drift > cfg.rollout_max_logprob_diff:
+                raise UserError(f"step {step}: rollout/logprob_diff={drift:.4g} > rollout_max_logprob_diff="
+                                f"{cfg.rollout_max_logprob_diff}: the sampler's weights no longer match the actor's")
 
             # 8 checkpoint (on its frequency, or when asked to stop)
             stopping = stop.agreed(accelerator)
@@ -1386,7 +1432,9 @@ def main(cfg: Config) -> None:
     finally:
         tracker.finish(status, final_dir)
         accelerator.wait_for_everyone()
-        accelerator.end_training()
+        engine.shutdown()   # vLLM's teardown may already destroy the process group
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def _truncated_frac(responses: list[list[int]], tokenizer, cfg: Config) -> float:

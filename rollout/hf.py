@@ -73,5 +73,8 @@ class HFEngine:
     def sleep(self) -> None:
         pass
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        pass
+
+    def shutdown(self) -> None:
         pass

