@@ -52,7 +52,10 @@ class Config:
     ref_model_path: str = opt("", "frozen reference model for KL. '' = the actor's initial weights")
     reward_model_path: str = opt("", "reward model (sequence classifier, 1 label); when set, replaces reward_fn")
     reward_fn: str = opt("rewards.arithmetic:compute_score", "'module:function' called as fn(prompts, responses) -> list of floats")
-    reward_clip: float = opt(0.0, "clip each sequence score to [-reward_clip, reward_clip]; 0 = off")
+    reward_clip: float = opt(0.0, "clip each sequence score to [-reward_clip, reward_clip] (after shaping); 0 = off")
+    overlong_buffer_len: int = opt(0, "DAPO overlong shaping: penalise responses longer than max_response_length - this; 0 = off")
+    overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: the penalty at max_response_length")
+    truncation_penalty: float = opt(0.0, "subtracted from the score of a response cut at max_response_length without EOS")
     dtype: str = opt("fp32", "fp32 | bf16 (bf16 autocast for forward passes; weights and optimizer stay fp32)")
     # data
     train_files: str = opt(str(HERE / "examples/data/train.parquet"), "training prompts: parquet or jsonl files, comma-separated")
@@ -94,13 +97,17 @@ class Config:
     actor_lr: float = opt(1e-4, "actor learning rate (AdamW)")
     critic_lr: float = opt(1e-4, "critic learning rate (AdamW)")
     weight_decay: float = opt(0.0, "AdamW weight decay, actor and critic")
-    lr_warmup_steps: int = opt(0, "linear learning-rate warmup over this many steps, then constant")
+    lr_warmup_steps: int = opt(0, "linear learning-rate warmup over this many steps (actor and critic)")
+    lr_scheduler_type: str = opt("constant", "after warmup: constant | cosine (decays to min_lr_ratio x lr by the last step)")
+    min_lr_ratio: float = opt(0.0, "cosine schedule: the final learning rate as a fraction of the initial one")
     max_grad_norm: float = opt(1.0, "actor gradient clipping (global norm)")
     critic_max_grad_norm: float = opt(1.0, "critic gradient clipping (global norm)")
     critic_warmup: int = opt(0, "train only the critic for this many steps first")
     ppo_epochs: int = opt(2, "passes over each iteration's rollouts")
     ppo_mini_batch_size: int = opt(32, "prompts per optimizer step (x rollout_n sequences)")
     ppo_micro_batch_size_per_device: int = opt(128, "sequences per forward/backward on one device")
+    use_dynamic_bsz: bool = opt(False, "form micro-batches by token budget instead of a sequence count")
+    ppo_max_token_len_per_device: int = opt(16384, "use_dynamic_bsz: prompt+response tokens per micro-batch")
     ref_offload: bool = opt(False, "DeepSpeed ZeRO-3: keep the reference model's parameters in CPU memory")
     reward_offload: bool = opt(False, "DeepSpeed ZeRO-3: keep the reward model's parameters in CPU memory")
     # advantages and rewards
@@ -235,6 +242,14 @@ def validate_config(cfg: Config) -> None:
     need(cfg.rollout_engine in ("hf", "vllm"), f"rollout_engine must be hf or vllm, got {cfg.rollout_engine!r}")
     need(cfg.prompt_truncation in ("error", "left"), f"prompt_truncation must be error or left, got {cfg.prompt_truncation!r}")
     need(cfg.temperature > 0, f"temperature must be > 0 for rollouts, got {cfg.temperature}")
+    need(cfg.lr_scheduler_type in ("constant", "cosine"),
+         f"lr_scheduler_type must be constant or cosine, got {cfg.lr_scheduler_type!r}")
+    need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    need(0 <= cfg.overlong_buffer_len < cfg.max_response_length,
+         f"overlong_buffer_len must be in [0, max_response_length={cfg.max_response_length}), got {cfg.overlong_buffer_len}")
+    need(not cfg.use_dynamic_bsz or cfg.ppo_max_token_len_per_device >= cfg.max_prompt_length + cfg.max_response_length,
+         f"ppo_max_token_len_per_device={cfg.ppo_max_token_len_per_device} must hold one whole sequence "
+         f"(max_prompt_length + max_response_length = {cfg.max_prompt_length + cfg.max_response_length})")
     need(cfg.save_total_limit > 0, f"save_total_limit must be > 0, got {cfg.save_total_limit}")
     need(cfg.resume in ("auto", "never") or Path(cfg.resume).is_dir(),
          f"resume must be auto, never or a checkpoint directory; {cfg.resume} does not exist")
@@ -427,6 +442,39 @@ def value_loss(vpreds, returns, values, mask, cliprange_value, loss_agg_mode, **
     return loss, masked_mean((err_clip > err).float(), mask)
 
 
+def overlong_penalty(lengths, max_response_length, buffer_len, penalty_factor):
+    """DAPO overlong shaping -> [B]: 0 up to max_response_length - buffer_len, then linearly down
+    to -penalty_factor at max_response_length."""
+    expected = max_response_length - buffer_len
+    return torch.clamp(-(lengths - expected) / buffer_len * penalty_factor, max=0.0)
+
+
+def lr_factor(step, warmup_steps, total_steps, schedule, min_lr_ratio):
+    """Learning-rate multiplier at a step (0-based): linear warmup, then constant or a half-cosine
+    from 1 down to min_lr_ratio at total_steps."""
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def token_budget_splits(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive groups of sequence indices whose total length stays within max_tokens (a
+    longer sequence goes alone): micro-batches by token count rather than sequence count."""
+    groups, current, used = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and used + n > max_tokens:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        groups.append(current)
+    return groups
+
+
 def explained_variance(returns, values, mask):
     return 1 - masked_var(returns - values, mask) / (masked_var(returns, mask) + 1e-5)
 
@@ -587,15 +635,20 @@ def reward_model_scores(reward_model, batch: dict):
     return out.logits[:, 0].float()
 
 
-def micro_batches(batch: dict, size: int):
+def micro_batches(batch: dict, size: int, max_tokens: int = 0):
+    """Slices of `size` sequences, or with max_tokens > 0 groups within that token budget."""
+    if max_tokens > 0:
+        for group in token_budget_splits(batch["attention_mask"].sum(-1).tolist(), max_tokens):
+            yield select(batch, torch.tensor(group))
+        return
     n = batch["input_ids"].shape[0]
     for start in range(0, n, size):
         yield select(batch, slice(start, start + size))
 
 
 @torch.no_grad()
-def forward_in_micro_batches(fn, batch: dict, size: int) -> torch.Tensor:
-    return torch.cat([fn(mb) for mb in micro_batches(batch, size)])
+def forward_in_micro_batches(fn, batch: dict, size: int, max_tokens: int = 0) -> torch.Tensor:
+    return torch.cat([fn(mb) for mb in micro_batches(batch, size, max_tokens)])
 
 
 def load_models(cfg: Config):
@@ -625,9 +678,15 @@ def load_models(cfg: Config):
     return tokenizer, actor, critic, ref, reward_model
 
 
-def make_optimizer(model, lr: float, weight_decay: float, warmup_steps: int):
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+def budget(cfg: Config) -> int:
+    return cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else 0
+
+
+def make_optimizer(model, lr: float, cfg: Config):
+    """AdamW and its schedule, which steps once per training step."""
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: lr_factor(
+        step, cfg.lr_warmup_steps, cfg.total_training_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio))
     return optim, sched
 
 
@@ -695,7 +754,7 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
         for mb in micro_batches(batch, mini):
             norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
             loss_total = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0}
-            for micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device):
+            for micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device, budget(cfg)):
                 m = micro["response_mask"]
                 with autocast():
                     logprob, entropy = response_logprobs(actor, micro, cfg.temperature, with_entropy=True)
@@ -727,7 +786,7 @@ def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast
         for mb in micro_batches(batch, mini):
             norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
             vf_total = 0.0
-            for micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device):
+            for micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device, budget(cfg)):
                 with autocast():
                     vpreds = critic_values(critic, micro)
                 vf, clipfrac = value_loss(vpreds, micro["returns"], micro["values"], micro["response_mask"],
@@ -875,9 +934,20 @@ class Scorer:
         else:
             texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
             scores = score_with_fn(self.fn, self.cfg.reward_fn, prompts.texts, texts, prompts.columns)
-        if self.cfg.reward_clip > 0:
-            scores = scores.clamp(-self.cfg.reward_clip, self.cfg.reward_clip)
         return scores                                                             # [B]
+
+
+def shape_scores(cfg: Config, scores, lengths, truncated):
+    """Training rewards from raw scores: DAPO overlong shaping, the truncation penalty, then
+    clipping. Validation and reward/* metrics report the raw scores."""
+    if cfg.overlong_buffer_len > 0:
+        scores = scores + overlong_penalty(lengths, cfg.max_response_length, cfg.overlong_buffer_len,
+                                           cfg.overlong_penalty_factor)
+    if cfg.truncation_penalty:
+        scores = scores - cfg.truncation_penalty * truncated.to(scores.dtype)
+    if cfg.reward_clip > 0:
+        scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
+    return scores                                                                 # [B]
 
 
 def place_scores(scores, response_mask):
@@ -1092,12 +1162,12 @@ def prepare_models(accelerator, ds: bool, cfg: Config, actor, critic, ref, rewar
         if ds:
             accelerator.state.select_deepspeed_plugin(name)
 
-    actor_optim, actor_sched = make_optimizer(actor, cfg.actor_lr, cfg.weight_decay, cfg.lr_warmup_steps)
+    actor_optim, actor_sched = make_optimizer(actor, cfg.actor_lr, cfg)
     select("actor")
     actor, actor_optim = accelerator.prepare(actor, actor_optim)
     critic_optim = critic_sched = None
     if critic is not None:
-        critic_optim, critic_sched = make_optimizer(critic, cfg.critic_lr, cfg.weight_decay, cfg.lr_warmup_steps)
+        critic_optim, critic_sched = make_optimizer(critic, cfg.critic_lr, cfg)
         select("critic")
         critic, critic_optim = accelerator.prepare(critic, critic_optim)
     frozen = []
@@ -1349,17 +1419,19 @@ def main(cfg: Config) -> None:
             # 2 score: one score per sequence, on its last response token
             with timed(times, "score"):
                 scores = scorer(prompts, rollout.responses, batch, micro).to(device)                  # [b]
-                token_scores = place_scores(scores, mask)                                             # [b, R]
+                truncated = is_truncated(rollout.responses, tokenizer.eos_token_id, cfg.max_response_length)
+                token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device)), mask)
 
             # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
             with timed(times, "forward"), autocast():
                 batch["old_logprob"] = forward_in_micro_batches(
-                    lambda mb: response_logprobs(actor, mb, cfg.temperature)[0], batch, micro)        # [b, R]
+                    lambda mb: response_logprobs(actor, mb, cfg.temperature)[0], batch, micro, budget(cfg))  # [b, R]
                 if ref is not None:
                     batch["ref_logprob"] = forward_in_micro_batches(
-                        lambda mb: response_logprobs(ref, mb, cfg.temperature)[0], batch, micro)      # [b, R]
+                        lambda mb: response_logprobs(ref, mb, cfg.temperature)[0], batch, micro, budget(cfg))
                 if critic is not None:
-                    batch["values"] = forward_in_micro_batches(lambda mb: critic_values(critic, mb), batch, micro)
+                    batch["values"] = forward_in_micro_batches(lambda mb: critic_values(critic, mb), batch, micro,
+                                                               budget(cfg))
 
             # 4 rewards and advantages over the whole batch (timed with the forward passes: it is tiny)
             with timed(times, "forward"):
@@ -1387,7 +1459,7 @@ def main(cfg: Config) -> None:
                     "reward/score_mean": scores.mean().item(),
                     "reward/score_std": scores.std().item() if len(scores) > 1 else 0.0,
                     "rollout/response_len_mean": mask.sum(-1).mean().item(),
-                    "rollout/truncated_frac": _truncated_frac(rollout.responses, tokenizer, cfg),
+                    "rollout/truncated_frac": truncated.float().mean().item(),
                     "perf/tokens": batch["attention_mask"].sum().item() * world,   # summed by the mean below
                 })
                 if scorer.is_verifier:
@@ -1437,10 +1509,9 @@ def main(cfg: Config) -> None:
             torch.distributed.destroy_process_group()
 
 
-def _truncated_frac(responses: list[list[int]], tokenizer, cfg: Config) -> float:
-    eos = tokenizer.eos_token_id
-    hit = [len(r) >= cfg.max_response_length and (not r or r[-1] != eos) for r in responses]
-    return sum(hit) / max(1, len(hit))
+def is_truncated(responses: list[list[int]], eos_id: int, max_len: int) -> torch.Tensor:
+    """[B] True where a response was cut at max_len without an EOS."""
+    return torch.tensor([len(r) >= max_len and r[-1] != eos_id for r in responses])
 
 
 def _logprob_diff(sampler_logprobs: list[list[float]], batch: dict) -> float:

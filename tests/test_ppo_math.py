@@ -706,3 +706,39 @@ def test_config_positional_argument_is_an_error(base):
 
 def test_loss_agg_modes_constant_is_the_documented_set():
     assert set(train_ppo.LOSS_AGG_MODES) == set(MODES)
+
+
+# --- reward shaping, learning-rate schedule, token-budget micro-batches -------------------------
+def test_overlong_penalty_is_zero_until_the_buffer_then_linear():
+    from train_ppo import overlong_penalty
+    lengths = torch.tensor([10.0, 12.0, 14.0, 16.0])
+    # max 16, buffer 4 -> expected 12: 10 and 12 free, 14 is half-way, 16 gets the whole factor
+    got = overlong_penalty(lengths, 16, 4, 2.0)
+    assert got.tolist() == pytest.approx([0.0, 0.0, -(14 - 12) / 4 * 2.0, -(16 - 12) / 4 * 2.0])
+
+
+def test_lr_factor_warmup_constant_and_cosine():
+    from train_ppo import lr_factor
+    assert [lr_factor(s, 4, 20, "constant", 0.0) for s in (0, 2, 4, 19)] == pytest.approx([0.0, 0.5, 1.0, 1.0])
+    # cosine from the end of warmup (step 4) to the last step (20): half-way is the midpoint
+    assert lr_factor(4, 4, 20, "cosine", 0.1) == pytest.approx(1.0)
+    assert lr_factor(12, 4, 20, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(20, 4, 20, "cosine", 0.1) == pytest.approx(0.1)
+
+
+def test_token_budget_splits_respect_the_budget_and_keep_order():
+    from train_ppo import token_budget_splits
+    assert token_budget_splits([3, 3, 3, 5, 9, 1], 6) == [[0, 1], [2], [3], [4], [5]]
+    assert token_budget_splits([2, 2, 2], 100) == [[0, 1, 2]]
+
+
+def test_micro_batches_by_token_budget_sum_to_the_mini_batch_loss():
+    from train_ppo import agg_loss, micro_batches, pack_batch
+    batch = pack_batch([[5, 6], [5], [7, 8, 9], [4]], [[1, 2, 3], [1], [2, 2], [3, 3, 3]], pad_id=0)
+    loss_mat = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    batch["loss"] = loss_mat
+    whole = agg_loss(loss_mat, batch["response_mask"], "token-mean")
+    norms = {"num_tokens": batch["response_mask"].sum()}
+    pieces = [agg_loss(mb["loss"], mb["response_mask"], "token-mean", **norms) for mb in micro_batches(batch, 0, 6)]
+    assert len(pieces) > 1
+    assert sum(pieces) == pytest.approx(whole.item())
