@@ -67,9 +67,9 @@ class Config:
     # run
     output_dir: str = opt("runs/demo", "where config.yaml, metrics.jsonl and final/ go")
     seed: int = opt(0, "seed for data order, sampling and initialisation")
-    total_training_steps: int = opt(60, "PPO iterations")
+    total_training_steps: int = opt(300, "PPO iterations")
     train_batch_size: int = opt(64, "prompts per iteration (all ranks together)")
-    test_freq: int = opt(10, "validate every N steps (and after the last); -1 = never")
+    test_freq: int = opt(25, "validate every N steps (and after the last); -1 = never")
     val_before_train: bool = opt(True, "validate before the first step (logged as step 0)")
     save_freq: int = opt(-1, "checkpoint every N steps (also on SIGTERM/SIGINT, then exit); -1 = only on a signal")
     save_total_limit: int = opt(2, "keep only the newest K checkpoints")
@@ -94,7 +94,7 @@ class Config:
     top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")
     val_temperature: float = opt(0.0, "sampling temperature for validation; 0 = greedy")
     # optimisation
-    actor_lr: float = opt(1e-4, "actor learning rate (AdamW)")
+    actor_lr: float = opt(5e-5, "actor learning rate (AdamW)")
     critic_lr: float = opt(1e-4, "critic learning rate (AdamW)")
     weight_decay: float = opt(0.0, "AdamW weight decay, actor and critic")
     lr_warmup_steps: int = opt(0, "linear learning-rate warmup over this many steps (actor and critic)")
