@@ -74,6 +74,14 @@ class Config:
     save_freq: int = opt(-1, "checkpoint every N steps (also on SIGTERM/SIGINT, then exit); -1 = only on a signal")
     save_total_limit: int = opt(2, "keep only the newest K checkpoints")
     resume: str = opt("auto", "auto (newest complete checkpoint in output_dir/checkpoints) | never | a checkpoint path")
+    # guards
+    kl_rollback_threshold: float = opt(0.0, "kl/mean above this reloads the last checkpoint with a lower actor lr; 0 = off")
+    rollback_lr_factor: float = opt(0.5, "each rollback multiplies the actor's learning rate by this")
+    max_rollbacks: int = opt(3, "give up (stop the run) after this many rollbacks")
+    max_consecutive_skips: int = opt(5, "roll back after this many optimizer steps in a row skipped for a non-finite "
+                                        "gradient norm; 0 = never")
+    entropy_warn_threshold: float = opt(0.01, "warn when actor/entropy falls below this (entropy collapse); 0 = off")
+    skip_nonfinite_rewards: bool = opt(False, "a NaN/inf score drops that sample from the update instead of stopping the run")
     mlflow_tracking_uri: str = opt("", "MLflow tracking URI; '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir")
     mlflow_experiment: str = opt("ppo", "MLflow experiment name")
     run_name: str = opt("", "MLflow run name; '' = the output_dir's name")
@@ -250,6 +258,7 @@ def validate_config(cfg: Config) -> None:
     need(not cfg.use_dynamic_bsz or cfg.ppo_max_token_len_per_device >= cfg.max_prompt_length + cfg.max_response_length,
          f"ppo_max_token_len_per_device={cfg.ppo_max_token_len_per_device} must hold one whole sequence "
          f"(max_prompt_length + max_response_length = {cfg.max_prompt_length + cfg.max_response_length})")
+    need(0 < cfg.rollback_lr_factor <= 1, f"rollback_lr_factor must be in (0, 1], got {cfg.rollback_lr_factor}")
     need(cfg.save_total_limit > 0, f"save_total_limit must be > 0, got {cfg.save_total_limit}")
     need(cfg.resume in ("auto", "never") or Path(cfg.resume).is_dir(),
          f"resume must be auto, never or a checkpoint directory; {cfg.resume} does not exist")
@@ -567,8 +576,10 @@ def reward_fn_columns(fn) -> list[str]:
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-def score_with_fn(fn, spec: str, prompts: list[str], responses: list[str], columns: dict) -> torch.Tensor:
-    """One finite float per sample, or a UserError naming the sample."""
+def score_with_fn(fn, spec: str, prompts: list[str], responses: list[str], columns: dict,
+                  allow_nonfinite: bool = False) -> torch.Tensor:
+    """One finite float per sample, or a UserError naming the sample (with allow_nonfinite, NaN/inf
+    pass through for the caller to drop)."""
     try:
         scores = list(fn(prompts, responses, **columns))
     except Exception as e:
@@ -577,7 +588,7 @@ def score_with_fn(fn, spec: str, prompts: list[str], responses: list[str], colum
     if len(scores) != len(prompts):
         raise UserError(f"reward_fn {spec} returned {len(scores)} scores for {len(prompts)} samples")
     for i, s in enumerate(scores):
-        if not isinstance(s, (int, float)) or not math.isfinite(s):
+        if not isinstance(s, (int, float)) or not (math.isfinite(s) or allow_nonfinite):
             raise UserError(f"reward_fn {spec} returned {s!r} for sample {i}: prompt {prompts[i]!r}, "
                             f"response {responses[i]!r}")
     return torch.tensor(scores, dtype=torch.float32)
@@ -849,11 +860,21 @@ class Tracker:
         if resumed and path.exists():
             kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             kept = [r for r in kept if r["step"] <= resumed["step"]]
+        self.history: list[dict] = []
+        self.rewind(kept, resumed["step"] if resumed else -1)
+
+    def rewind(self, records: list[dict], step: int):
+        """Keep only the records up to `step` (a resume or a rollback rewrites what follows)."""
+        if not self.enabled:
+            return
+        path = self.out_dir / "metrics.jsonl"
+        if getattr(self, "metrics_file", None):
+            self.metrics_file.close()
+        self.history = [r for r in records if r["step"] <= step]
         tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         os.replace(tmp, path)   # never a truncated file, even if killed right here
         self.metrics_file = open(path, "a")
-        self.history: list[dict] = kept
 
     def log(self, step: int, metrics: dict):
         if not self.enabled:
@@ -933,7 +954,8 @@ class Scorer:
             scores = forward_in_micro_batches(lambda mb: reward_model_scores(self.reward_model, mb), batch, micro)
         else:
             texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-            scores = score_with_fn(self.fn, self.cfg.reward_fn, prompts.texts, texts, prompts.columns)
+            scores = score_with_fn(self.fn, self.cfg.reward_fn, prompts.texts, texts, prompts.columns,
+                                   self.cfg.skip_nonfinite_rewards)
         return scores                                                             # [B]
 
 
@@ -1326,6 +1348,53 @@ def load_checkpoint(accelerator, ds: bool, path: Path, state: dict, trained: dic
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
+class Guards:
+    """Keeps a long run alive: a KL drift or a run of skipped (non-finite) optimizer steps rolls
+    back to the last checkpoint with a lower actor lr; entropy collapse is warned about."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.rollbacks, self.consecutive_skips = cfg, 0, 0
+
+    def check(self, step: int, metrics: dict, optimizer_steps: int) -> str | None:
+        """-> why to roll back now, or None. Also warns (stderr) about a collapsing entropy."""
+        cfg = self.cfg
+        skipped = int(metrics.get("actor/skipped_steps", 0))
+        self.consecutive_skips = self.consecutive_skips + skipped if skipped == optimizer_steps else skipped
+        entropy = metrics.get("actor/entropy")
+        if cfg.entropy_warn_threshold > 0 and entropy is not None and entropy < cfg.entropy_warn_threshold:
+            print(f"warning: step {step}: actor/entropy={entropy:.4g} < entropy_warn_threshold="
+                  f"{cfg.entropy_warn_threshold} (entropy collapse)", file=sys.stderr, flush=True)
+        if cfg.kl_rollback_threshold > 0 and metrics.get("kl/mean", 0.0) > cfg.kl_rollback_threshold:
+            return f"kl/mean={metrics['kl/mean']:.4g} > kl_rollback_threshold={cfg.kl_rollback_threshold}"
+        if cfg.max_consecutive_skips > 0 and self.consecutive_skips >= cfg.max_consecutive_skips:
+            return f"{self.consecutive_skips} optimizer steps in a row skipped for a non-finite gradient norm"
+        return None
+
+
+def rollback(accelerator, ds: bool, cfg: Config, guards: Guards, reason: str, step: int, trained: dict) -> tuple[Path, dict]:
+    """Reload the newest complete checkpoint into the trained models and scale the actor's
+    learning rate by rollback_lr_factor for every rollback so far -> (path, trainer state)."""
+    guards.rollbacks += 1
+    guards.consecutive_skips = 0
+    if guards.rollbacks > cfg.max_rollbacks:
+        raise UserError(f"step {step}: {reason}; giving up after max_rollbacks={cfg.max_rollbacks} rollbacks "
+                        f"(lower actor_lr or raise kl_rollback_threshold)")
+    path = find_checkpoint(dataclasses.replace(cfg, resume="auto"))
+    if path is None:
+        raise UserError(f"step {step}: {reason}, and there is no checkpoint to roll back to: set save_freq")
+    state = json.loads((path / "trainer_state.json").read_text())
+    load_checkpoint(accelerator, ds, path, state, trained)
+    _, optim, sched = trained["actor"]
+    scale = cfg.rollback_lr_factor ** (guards.rollbacks - state.get("rollbacks", 0))   # its lr may be scaled already
+    sched.base_lrs = [lr * scale for lr in sched.base_lrs]
+    for group, base in zip(optim.param_groups, sched.base_lrs):
+        group["lr"] = base * sched.lr_lambdas[0](sched.last_epoch)
+    if accelerator.is_main_process:
+        print(f"warning: step {step}: {reason}; rolling back to {path} with actor lr x{scale:g} "
+              f"(rollback {guards.rollbacks}/{cfg.max_rollbacks})", file=sys.stderr, flush=True)
+    return path, state
+
+
 class StopSignal:
     """SIGTERM/SIGINT ask for a checkpoint at the end of the current step, then a clean exit."""
 
@@ -1391,7 +1460,9 @@ def main(cfg: Config) -> None:
         if accelerator.is_main_process:
             print(f"resuming from {ckpt} (step {resumed['step']})", flush=True)
     tracker = Tracker(cfg, out_dir, accelerator.is_main_process, resumed)
-    stop = StopSignal()
+    stop, guards = StopSignal(), Guards(cfg)
+    guards.rollbacks = resumed.get("rollbacks", 0) if resumed else 0
+    optimizer_steps = cfg.ppo_epochs * (cfg.train_batch_size // cfg.ppo_mini_batch_size)
     device, micro = accelerator.device, cfg.ppo_micro_batch_size_per_device
     per_rank = cfg.train_batch_size // world
     group_ids = torch.arange(cfg.train_batch_size, device=device).repeat_interleave(cfg.rollout_n)   # [B]
@@ -1401,9 +1472,10 @@ def main(cfg: Config) -> None:
             val_metrics, samples = run_validation(cfg, accelerator, engine, scorer, tokenizer, val)
             tracker.log(0, val_metrics)
             tracker.log_samples(0, samples)
-        bar = tqdm(range(first_step, cfg.total_training_steps + 1), desc="ppo", initial=first_step - 1,
-                   total=cfg.total_training_steps, disable=not accelerator.is_main_process)
-        for step in bar:
+        bar = tqdm(desc="ppo", initial=first_step - 1, total=cfg.total_training_steps,
+                   disable=not accelerator.is_main_process)
+        step = first_step
+        while step <= cfg.total_training_steps:
             times: dict = {}
             step_start = time.perf_counter()
             idx = stream.next()[rank * per_rank:(rank + 1) * per_rank]     # this rank's prompts
@@ -1419,6 +1491,9 @@ def main(cfg: Config) -> None:
             # 2 score: one score per sequence, on its last response token
             with timed(times, "score"):
                 scores = scorer(prompts, rollout.responses, batch, micro).to(device)                  # [b]
+                nonfinite = ~torch.isfinite(scores)                     # only with skip_nonfinite_rewards
+                if nonfinite.any():   # those samples take no part in the update
+                    scores, mask[nonfinite] = torch.where(nonfinite, 0.0, scores), 0.0
                 truncated = is_truncated(rollout.responses, tokenizer.eos_token_id, cfg.max_response_length)
                 token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device)), mask)
 
@@ -1464,6 +1539,8 @@ def main(cfg: Config) -> None:
                 })
                 if scorer.is_verifier:
                     metrics["reward/accuracy"] = (scores >= 1.0).float().mean().item()
+                if cfg.skip_nonfinite_rewards:
+                    metrics["reward/nonfinite_frac"] = nonfinite.float().mean().item()
                 if rollout.logprobs is not None:
                     metrics["rollout/logprob_diff"] = _logprob_diff(rollout.logprobs, batch)
                 metrics = reduce_metrics(accelerator, {**metrics, **times})
@@ -1479,24 +1556,39 @@ def main(cfg: Config) -> None:
                 metrics.update(val_metrics)
                 metrics["time/val_s"] = time.perf_counter() - start
                 tracker.log_samples(step, samples)
+            metrics["guard/rollbacks"] = guards.rollbacks
             tracker.log(step, metrics)
             drift = metrics.get("rollout/logprob_diff", 0.0)
             if cfg.rollout_max_logprob_diff > 0 and drift > cfg.rollout_max_logprob_diff:
                 raise UserError(f"step {step}: rollout/logprob_diff={drift:.4g} > rollout_max_logprob_diff="
                                 f"{cfg.rollout_max_logprob_diff}: the sampler's weights no longer match the actor's")
 
+            # 8 guards: roll back to the last checkpoint on KL drift or a run of skipped steps
+            reason = guards.check(step, metrics, optimizer_steps)
+            if reason:
+                path, state = rollback(accelerator, ds, cfg, guards, reason, step, trained)
+                kl_ctrl.load_state_dict(state["kl_ctrl"])
+                stream.epoch, stream.pos = state["data"]["epoch"], state["data"]["pos"]
+                engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))
+                tracker.rewind(tracker.history, state["step"])
+                step = state["step"] + 1
+                bar.n = step - 1
+                continue
+
             # 8 checkpoint (on its frequency, or when asked to stop)
             stopping = stop.agreed(accelerator)
             if stopping or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
                 save_checkpoint(accelerator, ds, cfg, step, trained, {
                     "kl_ctrl": kl_ctrl.state_dict(), "data": {"epoch": stream.epoch, "pos": stream.pos},
-                    "mlflow_run_id": tracker.run_id})
+                    "mlflow_run_id": tracker.run_id, "rollbacks": guards.rollbacks})
             if stopping:
                 if accelerator.is_main_process:
                     print(f"stopped by a signal after step {step}; checkpoint saved, resume with the same command",
                           flush=True)
                 status = "KILLED"
                 return
+            step += 1
+            bar.update(1)
 
         final_dir = save_final(accelerator, actor, tokenizer, out_dir, ds)
         status = "FINISHED"

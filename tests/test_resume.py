@@ -119,3 +119,38 @@ def test_checkpoint_from_a_different_config_is_refused_naming_the_keys(tmp_path)
     assert proc.returncode != 0
     assert "actor_lr" in proc.stderr and "clip_ratio" in proc.stderr and "--resume=never" in proc.stderr
     assert [r["step"] for r in records(out)] == [0, 1, 2]   # nothing lost
+
+
+def test_kl_spike_rolls_back_with_a_lower_lr_then_gives_up(tmp_path):
+    """A tiny kl_rollback_threshold makes every step after the first a "KL spike"."""
+    out = tmp_path / "out"
+    proc = run(tmp_path, out, "--save_freq=1", "--kl_rollback_threshold=1e-12", "--max_rollbacks=2",
+               "--rollback_lr_factor=0.5", "--total_training_steps=4", "--test_freq=-1")
+    assert proc.returncode != 0
+    assert proc.stderr.count("rolling back to") == 2
+    assert "actor lr x0.5" in proc.stderr and "actor lr x0.25" in proc.stderr
+    assert "giving up after max_rollbacks=2" in proc.stderr
+    logged = records(out)
+    # rolled-back steps were rewritten; the step that made it give up stays, with the rollback count
+    assert [r["step"] for r in logged] == [0, 1, 2]
+    assert logged[2]["guard/rollbacks"] == 2
+    assert (out / "checkpoints" / "step_1" / "trainer_state.json").is_file()
+
+
+def test_nonfinite_reward_can_be_skipped_instead_of_stopping(tmp_path):
+    (tmp_path / "nan_once.py").write_text(
+        "CALLS = [0]\n"
+        "def score(prompts, responses):\n"
+        "    CALLS[0] += 1\n"
+        "    return [float('nan') if CALLS[0] == 2 and i < 3 else 1.0 for i in range(len(prompts))]\n")
+    out = tmp_path / "out"
+    env = dict(env_for(tmp_path), PYTHONPATH=str(tmp_path))
+    proc = subprocess.run(command(out, "--reward_fn=nan_once:score", "--skip_nonfinite_rewards=true",
+                                  "--val_before_train=false", "--test_freq=-1", "--total_training_steps=3",
+                                  "--save_freq=-1"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = records(out)
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert logged[1]["reward/nonfinite_frac"] == pytest.approx(3 / 32)
+    assert logged[0]["reward/nonfinite_frac"] == 0.0
+    assert all(abs(v) < float("inf") for r in logged for v in r.values())
