@@ -842,6 +842,9 @@ class Tracker:
         self.enabled, self.out_dir, self.run_id = enabled, out_dir, None
         if not enabled:
             return
+        # a tracking server that stops answering must not stall training: few, short retries
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         import mlflow
         self.mlflow = mlflow
         uri = cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
@@ -855,6 +858,7 @@ class Tracker:
             mlflow.log_params({k: str(v) for k, v in dataclasses.asdict(cfg).items()}, synchronous=False)
         self.run_id = self.run.info.run_id
         mlflow.log_artifact(str(out_dir / "config.yaml"))
+        self.sender = MetricSender(mlflow.MlflowClient(), self.run_id)
         path = out_dir / "metrics.jsonl"
         kept = []
         if resumed and path.exists():
@@ -883,25 +887,84 @@ class Tracker:
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
         self.history.append(record)
-        finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
-        self.mlflow.log_metrics(finite, step=step, synchronous=False)
+        self.sender.put(step, {k: v for k, v in metrics.items() if math.isfinite(v)})
 
     def log_samples(self, step: int, rows: dict):
         if self.enabled and rows["prompt"]:
-            self.mlflow.log_table(data=rows, artifact_file=f"samples/step_{step:06d}.json")
+            self._try(f"samples of step {step}", lambda: self.mlflow.log_table(
+                data=rows, artifact_file=f"samples/step_{step:06d}.json"))
+
+    def _try(self, what: str, call) -> None:
+        try:
+            call()
+        except Exception as e:   # the tracking store is a convenience; metrics.jsonl is the record
+            print(f"warning: MLflow did not take {what}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def finish(self, status: str, final_dir: Path | None):
         if not self.enabled:
             return
         self.metrics_file.close()
-        try:
-            if self.history:
-                self.mlflow.log_artifact(str(plot_curves(self.history, self.out_dir / "curves.png")))
-            if final_dir is not None:
-                self.mlflow.log_artifacts(str(final_dir), artifact_path="final")
-        finally:
-            self.mlflow.flush_async_logging()
-            self.mlflow.end_run(status=status)
+        if self.history:
+            curves = plot_curves(self.history, self.out_dir / "curves.png")
+            self._try("curves.png", lambda: self.mlflow.log_artifact(str(curves)))
+        if final_dir is not None:
+            self._try("the final model", lambda: self.mlflow.log_artifacts(str(final_dir), artifact_path="final"))
+        unsent = self.sender.close(timeout=60)
+        if unsent:
+            print(f"warning: MLflow never took the metrics of steps {unsent} (the tracking server was unreachable); "
+                  f"they are all in {self.out_dir / 'metrics.jsonl'}", file=sys.stderr, flush=True)
+        self._try("the end of the run", lambda: self.mlflow.end_run(status=status))
+
+
+class MetricSender:
+    """Sends each step's metrics to MLflow from a background thread, one batch call per step, so a
+    slow or unreachable tracking server never stalls training; what fails is kept and retried
+    until it goes through, so MLflow catches up when the server is back."""
+
+    def __init__(self, client, run_id: str):
+        import threading
+        self.client, self.run_id = client, run_id
+        self.pending: list[tuple[int, dict]] = []
+        self.lock, self.wake, self.closing = threading.Lock(), threading.Event(), False
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def put(self, step: int, metrics: dict):
+        with self.lock:
+            self.pending.append((step, metrics))
+        self.wake.set()
+
+    def _loop(self):
+        from mlflow.entities import Metric
+        backoff = 1.0
+        while True:
+            self.wake.wait(timeout=backoff)
+            self.wake.clear()
+            with self.lock:
+                batch = list(self.pending)
+            if not batch:
+                if self.closing:
+                    return
+                continue
+            now = int(time.time() * 1000)
+            try:
+                for step, metrics in batch:
+                    self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()],
+                                          synchronous=True)
+                    with self.lock:
+                        self.pending.remove((step, metrics))
+                backoff = 1.0
+            except Exception:
+                backoff = min(backoff * 2, 30.0)
+                time.sleep(backoff)
+
+    def close(self, timeout: float) -> list[int]:
+        """Wait up to `timeout` seconds for everything to be sent -> the steps that were not."""
+        self.closing = True
+        self.wake.set()
+        self.thread.join(timeout)
+        with self.lock:
+            return [step for step, _ in self.pending]
 
 
 def _mlflow_has_run(mlflow, run_id: str) -> bool:
