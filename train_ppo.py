@@ -1434,9 +1434,10 @@ class Guards:
         return None
 
 
-def rollback(accelerator, ds: bool, cfg: Config, guards: Guards, reason: str, step: int, trained: dict) -> tuple[Path, dict]:
-    """Reload the newest complete checkpoint into the trained models and scale the actor's
-    learning rate by rollback_lr_factor for every rollback so far -> (path, trainer state)."""
+def rollback(run, guards: Guards, reason: str, step: int) -> dict:
+    """Reload the newest complete checkpoint (models, optimizers, RNGs, data position) and scale
+    the actor's learning rate by rollback_lr_factor per rollback -> that checkpoint's state."""
+    cfg = run.cfg
     guards.rollbacks += 1
     guards.consecutive_skips = 0
     if guards.rollbacks > cfg.max_rollbacks:
@@ -1446,16 +1447,16 @@ def rollback(accelerator, ds: bool, cfg: Config, guards: Guards, reason: str, st
     if path is None:
         raise UserError(f"step {step}: {reason}, and there is no checkpoint to roll back to: set save_freq")
     state = json.loads((path / "trainer_state.json").read_text())
-    load_checkpoint(accelerator, ds, path, state, trained)
-    _, optim, sched = trained["actor"]
+    restore(run, path, state)
+    _, optim, sched = run.trained["actor"]
     scale = cfg.rollback_lr_factor ** (guards.rollbacks - state.get("rollbacks", 0))   # its lr may be scaled already
     sched.base_lrs = [lr * scale for lr in sched.base_lrs]
     for group, base in zip(optim.param_groups, sched.base_lrs):
         group["lr"] = base * sched.lr_lambdas[0](sched.last_epoch)
-    if accelerator.is_main_process:
+    if run.accelerator.is_main_process:
         print(f"warning: step {step}: {reason}; rolling back to {path} with actor lr x{scale:g} "
               f"(rollback {guards.rollbacks}/{cfg.max_rollbacks})", file=sys.stderr, flush=True)
-    return path, state
+    return state
 
 
 class StopSignal:
@@ -1475,10 +1476,34 @@ class StopSignal:
         return bool(accelerator.reduce(flag, reduction="sum").item() > 0)   # every rank stops together
 
 
-def main(cfg: Config) -> None:
+@dataclass
+class Run:
+    """Everything one training run holds, built by setup()."""
+    cfg: Config
+    accelerator: typing.Any
+    ds: bool                        # DeepSpeed engines (else plain modules)
+    tokenizer: typing.Any
+    actor: typing.Any
+    critic: typing.Any              # None for critic-free estimators
+    ref: typing.Any                 # None without KL
+    trained: dict                   # name -> (model, optimizer, lr scheduler)
+    engine: typing.Any              # the rollout engine
+    scorer: Scorer
+    kl_ctrl: typing.Any
+    train: PromptSet
+    val: PromptSet | None
+    stream: PromptStream
+    tracker: Tracker
+    autocast: typing.Any
+    first_step: int = 1
+    resumed: dict | None = None
+
+
+def setup(cfg: Config) -> Run:
+    """Accelerator, models (DeepSpeed engines under DeepSpeed), data, rollout engine, tracking; a
+    checkpoint to resume from is found and checked before any model loads, and loaded after."""
     import yaml
     from accelerate.utils import set_seed
-    from tqdm import tqdm
 
     accelerator, ds = make_accelerator(cfg)
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -1486,7 +1511,7 @@ def main(cfg: Config) -> None:
     ckpt = find_checkpoint(cfg)
     resumed = json.loads((ckpt / "trainer_state.json").read_text()) if ckpt else None
     if resumed:
-        check_resumable(cfg, resumed, ckpt)   # before any model loads
+        check_resumable(cfg, resumed, ckpt)
     set_seed(cfg.seed)          # the same initialisation (e.g. the value head) on every rank
     out_dir = Path(cfg.output_dir)
     if accelerator.is_main_process:
@@ -1498,124 +1523,145 @@ def main(cfg: Config) -> None:
     scorer = Scorer(cfg, tokenizer, None)
     read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
                                       cfg.prompt_truncation, scorer.columns, cfg.reward_fn)
-    train = read(cfg.train_files)
-    val = read(cfg.val_files) if cfg.val_files else None
-    stream = PromptStream(len(train.ids), cfg.train_batch_size, cfg.seed)
+    train, val = read(cfg.train_files), (read(cfg.val_files) if cfg.val_files else None)
     (actor, actor_optim, actor_sched, critic, critic_optim, critic_sched, ref,
-     reward_model) = prepare_models(accelerator, ds, cfg, actor, critic, ref, reward_model)
+     scorer.reward_model) = prepare_models(accelerator, ds, cfg, actor, critic, ref, reward_model)
     set_seed(cfg.seed + rank)   # each rank samples differently; data order uses cfg.seed alone
-    scorer.reward_model = reward_model
-    kl_ctrl = kl.make_kl_controller(cfg.kl_ctrl_type, cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
-    unwrapped = accelerator.unwrap_model(actor)
-    engine = make_engine(cfg, unwrapped, tokenizer, [gathered_params(actor, ds), autocast], world, rank)
-    engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))   # e.g. a resumed actor
-    sampling = SamplingParams(n=cfg.rollout_n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                              max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
     trained = {"actor": (actor, actor_optim, actor_sched)}
     if critic is not None:
         trained["critic"] = (critic, critic_optim, critic_sched)
-    first_step = 1
+    run = Run(cfg, accelerator, ds, tokenizer, actor, critic, ref, trained, None, scorer,
+              kl.make_kl_controller(cfg.kl_ctrl_type, cfg.kl_coef, cfg.target_kl, cfg.kl_horizon),
+              train, val, PromptStream(len(train.ids), cfg.train_batch_size, cfg.seed), None, autocast)
     if resumed:
-        load_checkpoint(accelerator, ds, ckpt, resumed, trained)
-        kl_ctrl.load_state_dict(resumed["kl_ctrl"])
-        stream.epoch, stream.pos = resumed["data"]["epoch"], resumed["data"]["pos"]
-        first_step = resumed["step"] + 1
+        restore(run, ckpt, resumed)
         if accelerator.is_main_process:
             print(f"resuming from {ckpt} (step {resumed['step']})", flush=True)
-    tracker = Tracker(cfg, out_dir, accelerator.is_main_process, resumed)
-    stop, guards = StopSignal(), Guards(cfg)
-    guards.rollbacks = resumed.get("rollbacks", 0) if resumed else 0
-    optimizer_steps = cfg.ppo_epochs * (cfg.train_batch_size // cfg.ppo_mini_batch_size)
-    device, micro = accelerator.device, cfg.ppo_micro_batch_size_per_device
+    run.resumed = resumed
+    run.engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, [gathered_params(actor, ds), autocast],
+                             world, rank)
+    run.engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))   # e.g. a resumed actor
+    run.tracker = Tracker(cfg, out_dir, accelerator.is_main_process, resumed)
+    return run
+
+
+def restore(run: Run, path: Path, state: dict) -> None:
+    """A checkpoint's models, optimizers, schedules, RNGs, KL controller and data position."""
+    load_checkpoint(run.accelerator, run.ds, path, state, run.trained)
+    run.kl_ctrl.load_state_dict(state["kl_ctrl"])
+    run.stream.epoch, run.stream.pos = state["data"]["epoch"], state["data"]["pos"]
+    run.first_step = state["step"] + 1
+
+
+def train_step(run: Run, step: int) -> dict:
+    """One PPO iteration on this rank's share of the prompt batch -> the step's metrics, reduced
+    over ranks, with the time of each phase."""
+    cfg, accelerator, engine, tokenizer = run.cfg, run.accelerator, run.engine, run.tokenizer
+    device, micro, world = accelerator.device, cfg.ppo_micro_batch_size_per_device, accelerator.num_processes
+    times: dict = {}
+    step_start = time.perf_counter()
     per_rank = cfg.train_batch_size // world
-    group_ids = torch.arange(cfg.train_batch_size, device=device).repeat_interleave(cfg.rollout_n)   # [B]
+    idx = run.stream.next()[accelerator.process_index * per_rank:][:per_rank]     # this rank's prompts
+    prompts = run.train.take(idx, cfg.rollout_n)                                   # one row per response
+    group_ids = torch.arange(cfg.train_batch_size, device=device).repeat_interleave(cfg.rollout_n)  # [B] all ranks
+
+    # 1 generate: rollout_n responses per prompt, prompt-major order
+    with timed(times, "gen"):
+        sampling = SamplingParams(n=cfg.rollout_n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                  max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
+        rollout = engine.generate(run.train.take(idx).ids, sampling)
+        engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
+        batch = to_device(pack_batch(prompts.ids, rollout.responses, tokenizer.pad_token_id), device)
+        mask = batch["response_mask"]                                                          # [b, R]
+
+    # 2 score: one score per sequence, shaped, on its last response token
+    with timed(times, "score"):
+        scores = run.scorer(prompts, rollout.responses, batch, micro).to(device)               # [b]
+        nonfinite = ~torch.isfinite(scores)                     # only with skip_nonfinite_rewards
+        if nonfinite.any():   # those samples take no part in the update
+            scores, mask[nonfinite] = torch.where(nonfinite, 0.0, scores), 0.0
+        truncated = is_truncated(rollout.responses, tokenizer.eos_token_id, cfg.max_response_length)
+        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device)), mask)
+
+    # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
+    with timed(times, "forward"), run.autocast():
+        logprobs_of = lambda model: lambda mb: response_logprobs(model, mb, cfg.temperature)[0]   # noqa: E731
+        batch["old_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, micro, budget(cfg))  # [b, R]
+        if run.ref is not None:
+            batch["ref_logprob"] = forward_in_micro_batches(logprobs_of(run.ref), batch, micro, budget(cfg))
+        if run.critic is not None:
+            batch["values"] = forward_in_micro_batches(lambda mb: critic_values(run.critic, mb), batch, micro,
+                                                       budget(cfg))
+
+    # 4 rewards and advantages over the whole batch (timed with the forward passes: it is tiny)
+    with timed(times, "forward"):
+        metrics = rewards_and_advantages(cfg, accelerator, run.kl_ctrl, batch, token_scores, group_ids)
+
+    # 5 update: critic, then actor (after critic_warmup steps)
+    with timed(times, "update"):
+        if run.critic is not None:
+            critic, critic_optim, critic_sched = run.trained["critic"]
+            metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, run.autocast, run.ds))
+            critic_sched.step()
+        if step > cfg.critic_warmup:
+            actor, actor_optim, actor_sched = run.trained["actor"]
+            metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, run.autocast, run.ds))
+            metrics["actor/lr"] = actor_sched.get_last_lr()[0]
+            actor_sched.step()
+
+    # 6 sync: the updated actor into the rollout engine (a no-op for hf: it is the actor)
+    with timed(times, "sync"):
+        engine.wake_up(["weights"])
+        engine.load_weights(actor_weights(run.actor, run.ds, cfg.rollout_sync_bucket_mb))
+        engine.wake_up(["kv_cache"])
+
+    # 7 log: each metric reduced over ranks once
+    with timed(times, "log"):
+        metrics.update({
+            "reward/score_mean": scores.mean().item(),
+            "reward/score_std": scores.std().item() if len(scores) > 1 else 0.0,
+            "rollout/response_len_mean": mask.sum(-1).mean().item(),
+            "rollout/truncated_frac": truncated.float().mean().item(),
+            "perf/tokens": batch["attention_mask"].sum().item() * world,   # the mean over ranks makes it a sum
+        })
+        if run.scorer.is_verifier:
+            metrics["reward/accuracy"] = (scores >= 1.0).float().mean().item()
+        if cfg.skip_nonfinite_rewards:
+            metrics["reward/nonfinite_frac"] = nonfinite.float().mean().item()
+        if rollout.logprobs is not None:
+            metrics["rollout/logprob_diff"] = _logprob_diff(rollout.logprobs, batch)
+        metrics = reduce_metrics(accelerator, {**metrics, **times})
+    metrics.update(times)   # this rank's own clock, so the phases add up to its step
+    metrics["time/step_s"] = time.perf_counter() - step_start
+    metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]
+    return metrics
+
+
+def main(cfg: Config) -> None:
+    from tqdm import tqdm
+
+    run = setup(cfg)
+    accelerator, tracker, val = run.accelerator, run.tracker, run.val
+    stop, guards = StopSignal(), Guards(cfg)
+    guards.rollbacks = run.resumed.get("rollbacks", 0) if run.resumed else 0
+    optimizer_steps = cfg.ppo_epochs * (cfg.train_batch_size // cfg.ppo_mini_batch_size)
     status, final_dir = "FAILED", None
     try:
-        if val and cfg.val_before_train and not resumed:
-            val_metrics, samples = run_validation(cfg, accelerator, engine, scorer, tokenizer, val)
+        if val and cfg.val_before_train and not run.resumed:
+            val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val)
             tracker.log(0, val_metrics)
             tracker.log_samples(0, samples)
-        bar = tqdm(desc="ppo", initial=first_step - 1, total=cfg.total_training_steps,
+        bar = tqdm(desc="ppo", initial=run.first_step - 1, total=cfg.total_training_steps,
                    disable=not accelerator.is_main_process)
-        step = first_step
+        step = run.first_step
         while step <= cfg.total_training_steps:
-            times: dict = {}
-            step_start = time.perf_counter()
-            idx = stream.next()[rank * per_rank:(rank + 1) * per_rank]     # this rank's prompts
-            prompts = train.take(idx, cfg.rollout_n)                        # one row per response
+            metrics = train_step(run, step)   # phases 1-7
+            bar.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
 
-            # 1 generate: rollout_n responses per prompt, prompt-major order
-            with timed(times, "gen"):
-                rollout = engine.generate(train.take(idx).ids, sampling)
-                engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
-                batch = to_device(pack_batch(prompts.ids, rollout.responses, tokenizer.pad_token_id), device)
-                mask = batch["response_mask"]                                                         # [b, R]
-
-            # 2 score: one score per sequence, on its last response token
-            with timed(times, "score"):
-                scores = scorer(prompts, rollout.responses, batch, micro).to(device)                  # [b]
-                nonfinite = ~torch.isfinite(scores)                     # only with skip_nonfinite_rewards
-                if nonfinite.any():   # those samples take no part in the update
-                    scores, mask[nonfinite] = torch.where(nonfinite, 0.0, scores), 0.0
-                truncated = is_truncated(rollout.responses, tokenizer.eos_token_id, cfg.max_response_length)
-                token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device)), mask)
-
-            # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
-            with timed(times, "forward"), autocast():
-                batch["old_logprob"] = forward_in_micro_batches(
-                    lambda mb: response_logprobs(actor, mb, cfg.temperature)[0], batch, micro, budget(cfg))  # [b, R]
-                if ref is not None:
-                    batch["ref_logprob"] = forward_in_micro_batches(
-                        lambda mb: response_logprobs(ref, mb, cfg.temperature)[0], batch, micro, budget(cfg))
-                if critic is not None:
-                    batch["values"] = forward_in_micro_batches(lambda mb: critic_values(critic, mb), batch, micro,
-                                                               budget(cfg))
-
-            # 4 rewards and advantages over the whole batch (timed with the forward passes: it is tiny)
-            with timed(times, "forward"):
-                metrics = rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group_ids)
-
-            # 5 update: critic, then actor (after critic_warmup steps)
-            with timed(times, "update"):
-                if critic is not None:
-                    metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, autocast, ds))
-                    critic_sched.step()
-                if step > cfg.critic_warmup:
-                    metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, autocast, ds))
-                    metrics["actor/lr"] = actor_sched.get_last_lr()[0]
-                    actor_sched.step()
-
-            # 6 sync: the updated actor into the rollout engine (a no-op for hf: it is the actor)
-            with timed(times, "sync"):
-                engine.wake_up(["weights"])
-                engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))
-                engine.wake_up(["kv_cache"])
-
-            # 7 log: one record per step, each metric reduced over ranks once
-            with timed(times, "log"):
-                metrics.update({
-                    "reward/score_mean": scores.mean().item(),
-                    "reward/score_std": scores.std().item() if len(scores) > 1 else 0.0,
-                    "rollout/response_len_mean": mask.sum(-1).mean().item(),
-                    "rollout/truncated_frac": truncated.float().mean().item(),
-                    "perf/tokens": batch["attention_mask"].sum().item() * world,   # summed by the mean below
-                })
-                if scorer.is_verifier:
-                    metrics["reward/accuracy"] = (scores >= 1.0).float().mean().item()
-                if cfg.skip_nonfinite_rewards:
-                    metrics["reward/nonfinite_frac"] = nonfinite.float().mean().item()
-                if rollout.logprobs is not None:
-                    metrics["rollout/logprob_diff"] = _logprob_diff(rollout.logprobs, batch)
-                metrics = reduce_metrics(accelerator, {**metrics, **times})
-                bar.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
-            metrics.update(times)   # this rank's own clock, so the phases add up to its step
-            metrics["time/step_s"] = time.perf_counter() - step_start
-            metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]
-
-            # 8 validate
+            # 8 validate, log
             if val and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
                 start = time.perf_counter()
-                val_metrics, samples = run_validation(cfg, accelerator, engine, scorer, tokenizer, val)
+                val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val)
                 metrics.update(val_metrics)
                 metrics["time/val_s"] = time.perf_counter() - start
                 tracker.log_samples(step, samples)
@@ -1629,20 +1675,17 @@ def main(cfg: Config) -> None:
             # 8 guards: roll back to the last checkpoint on KL drift or a run of skipped steps
             reason = guards.check(step, metrics, optimizer_steps)
             if reason:
-                path, state = rollback(accelerator, ds, cfg, guards, reason, step, trained)
-                kl_ctrl.load_state_dict(state["kl_ctrl"])
-                stream.epoch, stream.pos = state["data"]["epoch"], state["data"]["pos"]
-                engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))
+                state = rollback(run, guards, reason, step)
+                run.engine.load_weights(actor_weights(run.actor, run.ds, cfg.rollout_sync_bucket_mb))
                 tracker.rewind(tracker.history, state["step"])
-                step = state["step"] + 1
-                bar.n = step - 1
+                step = bar.n = run.first_step
                 continue
 
             # 8 checkpoint (on its frequency, or when asked to stop)
             stopping = stop.agreed(accelerator)
             if stopping or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
-                save_checkpoint(accelerator, ds, cfg, step, trained, {
-                    "kl_ctrl": kl_ctrl.state_dict(), "data": {"epoch": stream.epoch, "pos": stream.pos},
+                save_checkpoint(accelerator, run.ds, cfg, step, run.trained, {
+                    "kl_ctrl": run.kl_ctrl.state_dict(), "data": {"epoch": run.stream.epoch, "pos": run.stream.pos},
                     "mlflow_run_id": tracker.run_id, "rollbacks": guards.rollbacks})
             if stopping:
                 if accelerator.is_main_process:
@@ -1653,13 +1696,14 @@ def main(cfg: Config) -> None:
             step += 1
             bar.update(1)
 
-        final_dir = save_final(accelerator, actor, tokenizer, out_dir, ds)
+        final_dir = save_final(accelerator, run.actor, run.tokenizer, Path(cfg.output_dir), run.ds)
         status = "FINISHED"
-        print(f"rank {rank}/{world}: peak memory {peak_memory_gb():.2f} GiB", flush=True)
+        print(f"rank {accelerator.process_index}/{accelerator.num_processes}: peak memory {peak_memory_gb():.2f} GiB",
+              flush=True)
     finally:
         tracker.finish(status, final_dir)
         accelerator.wait_for_everyone()
-        engine.shutdown()   # vLLM's teardown may already destroy the process group
+        run.engine.shutdown()   # vLLM's teardown may already destroy the process group
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
