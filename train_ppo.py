@@ -500,6 +500,22 @@ def kl_in_reward(token_scores, old_logprob, ref_logprob, mask, beta, estimator):
 # ----------------------------------------------------------------------------------------------
 # Models and data.
 # ----------------------------------------------------------------------------------------------
+def read_table(path: str):
+    """A parquet or jsonl file as a DataFrame with at least one row; problems name the file."""
+    import pandas as pd
+    if not Path(path).is_file():
+        raise UserError(f"{path}: no such file")
+    if path.endswith(".parquet"):
+        frame = pd.read_parquet(path)
+    elif path.endswith((".jsonl", ".json")):
+        frame = pd.read_json(path, lines=True)
+    else:
+        raise UserError(f"{path}: unsupported file type (use .parquet or .jsonl)")
+    if len(frame) == 0:
+        raise UserError(f"{path}: the file has no rows")
+    return frame
+
+
 @dataclass
 class PromptSet:
     texts: list[str]                 # the prompt as the model sees it (chat template applied)
@@ -514,17 +530,9 @@ class PromptSet:
 
 def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str, columns=(), reward_fn="") -> PromptSet:
     """Prompts from parquet/jsonl files, tokenized; every problem names the file (and row)."""
-    import pandas as pd
     out = PromptSet([], [], {c: [] for c in columns})
     for path in _split_files(files):
-        if path.endswith(".parquet"):
-            frame = pd.read_parquet(path)
-        elif path.endswith((".jsonl", ".json")):
-            frame = pd.read_json(path, lines=True)
-        else:
-            raise UserError(f"{path}: unsupported file type (use .parquet or .jsonl)")
-        if len(frame) == 0:
-            raise UserError(f"{path}: the file has no rows")
+        frame = read_table(path)
         if key not in frame.columns:
             raise UserError(f"{path}: no column {key!r} (prompt_key); its columns are {list(frame.columns)}")
         for column in columns:

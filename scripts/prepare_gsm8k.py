@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_ppo  # noqa: E402  (its read_table: one reader of parquet/jsonl files)
 from rewards.gsm8k import extract_answer  # noqa: E402  (one definition of "the number after ####")
 
 # verl's examples/data_preprocess/gsm8k.py uses this exact instruction, so results compare.
@@ -33,20 +34,14 @@ COLUMNS = ("question", "answer")
 
 def read_table(path: str) -> pd.DataFrame:
     """One GSM8K file as a DataFrame; any problem names the file."""
-    if not Path(path).is_file():
-        raise SystemExit(f"error: {path}: no such file")
-    if path.endswith(".parquet"):
-        frame = pd.read_parquet(path)
-    elif path.endswith((".jsonl", ".json")):
-        frame = pd.read_json(path, lines=True)
-    else:
-        raise SystemExit(f"error: {path}: unsupported file type (use .parquet or .jsonl)")
+    try:
+        frame = train_ppo.read_table(path)
+    except train_ppo.UserError as e:
+        raise SystemExit(f"error: {e}") from None
     for column in COLUMNS:
         if column not in frame.columns:
             raise SystemExit(f"error: {path}: no column {column!r} (GSM8K has 'question' and 'answer'); "
                              f"its columns are {list(frame.columns)}")
-    if len(frame) == 0:
-        raise SystemExit(f"error: {path}: the file has no rows")
     return frame
 
 
