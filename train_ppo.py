@@ -1366,6 +1366,7 @@ def save_checkpoint(accelerator, ds: bool, cfg: Config, step: int, trained: dict
     import random
     import shutil
     import numpy as np
+    started = time.perf_counter()
     root = Path(cfg.output_dir) / "checkpoints"
     tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
     if accelerator.is_main_process:
@@ -1393,6 +1394,8 @@ def save_checkpoint(accelerator, ds: bool, cfg: Config, step: int, trained: dict
         for old in done[:-cfg.save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        print(f"checkpoint {final} saved in {time.perf_counter() - started:.2f} s", flush=True)
     return final
 
 
