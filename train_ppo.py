@@ -1177,6 +1177,8 @@ def deepspeed_plugins(cfg: Config, world: int) -> dict:
             else:
                 conf.pop("gradient_clipping", None)
                 zero.pop("offload_optimizer", None)
+                if zero.get("stage") != 3:   # ZeRO-1/2 shard optimizer state, which a frozen model has none of
+                    conf["zero_optimization"] = zero = {"stage": 0}
                 if offload and zero.get("stage") == 3:
                     zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
             plugins[name] = DeepSpeedPlugin(hf_ds_config=conf)

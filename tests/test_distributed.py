@@ -123,3 +123,14 @@ def test_zero3_checkpoint_resume_continues_like_the_uninterrupted_run(tmp_path):
                         for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in same("part")] == [0, 1, 2, 3, 4]
     assert same("part") == same("full")
+
+
+@pytest.mark.parametrize("config", ["zero2", "zero3_offload"])
+def test_other_repository_configs_train(tmp_path, config):
+    out = tmp_path / "out"
+    proc = launch(tmp_path, ROOT / "accelerate_configs" / f"{config}.yaml", f"--output_dir={out}", *RUN,
+                  "--ref_offload=true")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(math.isfinite(v) for r in records for v in r.values())
