@@ -57,6 +57,11 @@ class Config:
     overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: the penalty at max_response_length")
     truncation_penalty: float = opt(0.0, "subtracted from the score of a response cut at max_response_length without EOS")
     dtype: str = opt("fp32", "fp32 | bf16 (bf16 autocast for forward passes; weights and optimizer stay fp32)")
+    lora_rank: int = opt(0, "train the actor as LoRA adapters of this rank (PEFT); the reference is then the base "
+                            "model with the adapters disabled (no second copy); 0 = full fine-tuning")
+    lora_alpha: float = opt(16.0, "LoRA scaling numerator (scale = lora_alpha / lora_rank)")
+    lora_target_modules: str = opt("all-linear", "modules that get adapters: all-linear, or a comma-separated list of names")
+    lora_save_merged: bool = opt(False, "LoRA: also save the merged full model in final/merged")
     # data
     train_files: str = opt(str(HERE / "examples/data/train.parquet"), "training prompts: parquet or jsonl files, comma-separated")
     val_files: str = opt(str(HERE / "examples/data/val.parquet"), "validation prompts (same format); '' = no validation")
@@ -259,6 +264,9 @@ def validate_config(cfg: Config) -> None:
          f"ppo_max_token_len_per_device={cfg.ppo_max_token_len_per_device} must hold one whole sequence "
          f"(max_prompt_length + max_response_length = {cfg.max_prompt_length + cfg.max_response_length})")
     need(0 < cfg.rollback_lr_factor <= 1, f"rollback_lr_factor must be in (0, 1], got {cfg.rollback_lr_factor}")
+    need(cfg.lora_rank >= 0, f"lora_rank must be >= 0, got {cfg.lora_rank}")
+    need(not (cfg.lora_rank and cfg.ref_model_path),
+         f"lora_rank={cfg.lora_rank} uses the base model (adapters disabled) as the reference: drop ref_model_path")
     need(cfg.save_total_limit > 0, f"save_total_limit must be > 0, got {cfg.save_total_limit}")
     need(cfg.resume in ("auto", "never") or Path(cfg.resume).is_dir(),
          f"resume must be auto, never or a checkpoint directory; {cfg.resume} does not exist")
@@ -679,8 +687,14 @@ def load_models(cfg: Config):
     # weights stay fp32 for the trained models (bf16 runs under autocast); frozen ones may be bf16
     frozen_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     actor = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
+    if cfg.lora_rank:
+        from peft import LoraConfig, get_peft_model
+        targets = (cfg.lora_target_modules if cfg.lora_target_modules == "all-linear"
+                   else [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()])
+        actor = get_peft_model(actor, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
+                                                 lora_dropout=0.0, task_type="CAUSAL_LM"))
     ref = None
-    if cfg.use_kl_in_reward or cfg.use_kl_loss:
+    if (cfg.use_kl_in_reward or cfg.use_kl_loss) and not cfg.lora_rank:
         ref = AutoModelForCausalLM.from_pretrained(cfg.ref_model_path or cfg.model_path, dtype=frozen_dtype)
         ref.eval().requires_grad_(False)
     critic = None
@@ -1105,11 +1119,31 @@ def make_engine(cfg: Config, actor, tokenizer, contexts, world: int, rank: int):
     return HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout_micro_batch_size, contexts)
 
 
+def merged_lora_weights(peft_model):
+    """(Hugging Face name, tensor) of the base model with every LoRA adapter merged in
+    (W + B A * alpha / r), as a model without adapters names them: what vLLM loads."""
+    base = peft_model.get_base_model()
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        if name.endswith(".base_layer.weight"):
+            layer = base.get_submodule(name[:-len(".base_layer.weight")])
+            yield name.replace(".base_layer", ""), p.data + layer.get_delta_weight("default").to(p.dtype)
+        else:
+            yield name.replace(".base_layer", ""), p.data
+
+
 def actor_weights(actor, ds: bool, bucket_mb: float):
     """(Hugging Face name, tensor) pairs of the actor for the rollout engine. Under ZeRO-3 the
     shards are gathered a bucket of about bucket_mb at a time and released after, so no rank ever
     holds the whole model; the engine consumes the generator as it goes."""
     module = actor.module if ds else actor
+    if hasattr(module, "peft_config"):
+        if ds and actor.zero_optimization_stage() == 3:
+            raise UserError("lora_rank with ZeRO-3 and rollout_engine=vllm is not supported yet: use ZeRO-2, "
+                            "rollout_engine=hf, or full fine-tuning")
+        yield from merged_lora_weights(module)
+        return
     named = list(module.named_parameters())
     if not ds or actor.zero_optimization_stage() != 3:
         yield from ((name, p.data) for name, p in named)
@@ -1602,6 +1636,9 @@ def train_step(run: Run, step: int) -> dict:
         batch["old_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, micro, budget(cfg))  # [b, R]
         if run.ref is not None:
             batch["ref_logprob"] = forward_in_micro_batches(logprobs_of(run.ref), batch, micro, budget(cfg))
+        elif cfg.lora_rank and (cfg.use_kl_in_reward or cfg.use_kl_loss):
+            with accelerator.unwrap_model(run.actor).disable_adapter():   # the base model is the reference
+                batch["ref_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, micro, budget(cfg))
         if run.critic is not None:
             batch["values"] = forward_in_micro_batches(lambda mb: critic_values(run.critic, mb), batch, micro,
                                                        budget(cfg))
@@ -1709,7 +1746,7 @@ def main(cfg: Config) -> None:
             step += 1
             bar.update(1)
 
-        final_dir = save_final(accelerator, run.actor, run.tokenizer, Path(cfg.output_dir), run.ds)
+        final_dir = save_final(accelerator, run.actor, run.tokenizer, Path(cfg.output_dir), run.ds, cfg.lora_save_merged)
         status = "FINISHED"
         print(f"rank {accelerator.process_index}/{accelerator.num_processes}: peak memory {peak_memory_gb():.2f} GiB",
               flush=True)
@@ -1743,7 +1780,7 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
 
 
-def save_final(accelerator, actor, tokenizer, out_dir: Path, ds: bool) -> Path | None:
+def save_final(accelerator, actor, tokenizer, out_dir: Path, ds: bool, merged: bool = False) -> Path | None:
     """The actor in Hugging Face format; under ZeRO-3 the shards are gathered into full weights."""
     if ds:
         accelerator.state.select_deepspeed_plugin("actor")
@@ -1752,8 +1789,15 @@ def save_final(accelerator, actor, tokenizer, out_dir: Path, ds: bool) -> Path |
     if not accelerator.is_main_process:
         return None
     final_dir = out_dir / "final"
-    accelerator.unwrap_model(actor).save_pretrained(final_dir, state_dict=state, safe_serialization=True)
+    model = accelerator.unwrap_model(actor)
+    model.save_pretrained(final_dir, state_dict=state, safe_serialization=True)   # LoRA: the adapter alone
     tokenizer.save_pretrained(final_dir)
+    if merged and hasattr(model, "peft_config"):
+        base = model.get_base_model()
+        merged_state = dict(merged_lora_weights(model))
+        config_only = base.config.__class__.from_dict(base.config.to_dict())
+        type(base)(config_only).save_pretrained(final_dir / "merged", state_dict=merged_state, safe_serialization=True)
+        tokenizer.save_pretrained(final_dir / "merged")
     return final_dir
 
 

@@ -150,3 +150,27 @@ def test_vllm_engine_run_keeps_sampler_and_actor_in_sync(tmp_path):
         assert r["rollout/logprob_diff"] < 1e-3
         assert r["time/sync_s"] > 0
     assert records[3]["kl/mean"] > 1e-4    # the actor did change, so the sync carried real updates
+
+
+def test_lora_actor_with_vllm_sync_and_adapter_disabled_reference(tmp_path):
+    """LoRA: only adapters train; the reference is the base model with adapters off; vLLM gets the
+    merged weights every step; final/ holds the adapter (and, on request, the merged model)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "out"
+    proc = run(tmp_path, f"--output_dir={out}", "--lora_rank=8", "--use_kl_loss=true", "--lora_save_merged=true",
+               "--rollout_engine=vllm", "--actor_lr=1e-3", "--total_training_steps=3", "--test_freq=3", *FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(out)
+    assert records[1]["kl/mean"] == pytest.approx(0.0, abs=1e-6)   # adapters start at zero: policy == base
+    assert records[3]["kl/mean"] > 1e-3                             # the adapters moved the policy off the base
+    assert all(r["rollout/logprob_diff"] < 1e-3 for r in records[1:])   # merged weights reached vLLM
+    assert (out / "final" / "adapter_config.json").is_file()
+    assert not (out / "final" / "model.safetensors").exists()
+    ids = torch.tensor([[8, 11, 14, 7, 12, 17]])
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DEMO_MODEL), out / "final")(ids).logits
+    merged = AutoModelForCausalLM.from_pretrained(out / "final" / "merged")(ids).logits
+    base = AutoModelForCausalLM.from_pretrained(DEMO_MODEL)(ids).logits
+    assert torch.allclose(adapted, merged, atol=1e-4)
+    assert not torch.allclose(adapted, base, atol=1e-3)
