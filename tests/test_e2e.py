@@ -174,3 +174,29 @@ def test_lora_actor_with_vllm_sync_and_adapter_disabled_reference(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(DEMO_MODEL)(ids).logits
     assert torch.allclose(adapted, merged, atol=1e-4)
     assert not torch.allclose(adapted, base, atol=1e-3)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_critic_free_estimators_train_without_a_critic(tmp_path, estimator):
+    out = tmp_path / "out"
+    proc = run(tmp_path, f"--output_dir={out}", f"--adv_estimator={estimator}", "--total_training_steps=2",
+               "--test_freq=-1", "--val_before_train=false", "--loss_agg_mode=seq-mean-token-sum-norm",
+               "--overlong_buffer_len=2", "--truncation_penalty=0.5", "--reward_clip=1", "--use_dynamic_bsz=true",
+               "--ppo_max_token_len_per_device=64", "--lr_scheduler_type=cosine", *FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert not any(k.startswith("critic/") for k in r)          # no critic was built
+        assert "actor/pg_loss" in r and all(math.isfinite(v) for v in r.values())
+    assert records[1]["actor/lr"] < records[0]["actor/lr"]           # cosine decays
+
+
+def test_critic_warmup_holds_the_actor_back(tmp_path):
+    out = tmp_path / "out"
+    proc = run(tmp_path, f"--output_dir={out}", "--critic_warmup=1", "--total_training_steps=2", "--test_freq=-1",
+               "--val_before_train=false", *FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = read_metrics(out)
+    assert "critic/vf_loss" in first and "actor/pg_loss" not in first
+    assert "actor/pg_loss" in second
