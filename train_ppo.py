@@ -1516,6 +1516,8 @@ class StopSignal:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
+        if self.requested:   # a second Ctrl-C: stop now, without the checkpoint
+            raise KeyboardInterrupt
         self.requested = True
 
     def agreed(self, accelerator) -> bool:
