@@ -311,7 +311,7 @@ def masked_sum(values, mask, dim=None):
 
 
 def masked_mean(values, mask, dim=None):
-    return masked_sum(values, mask, dim) / (mask.sum() if dim is None else mask.sum(dim)) .add(1e-8)
+    return masked_sum(values, mask, dim) / ((mask.sum() if dim is None else mask.sum(dim)) + 1e-8)
 
 
 def masked_var(values, mask):

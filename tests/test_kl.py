@@ -7,15 +7,11 @@ Run from the repo root: python -m pytest tests/test_kl.py -q
 
 import json
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kl import (  # noqa: E402
+from kl import (
     CONTROLLERS,
     ESTIMATORS,
     AdaptiveKLController,

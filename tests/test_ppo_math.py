@@ -7,17 +7,13 @@ Run from the repo root: python -m pytest tests/test_ppo_math.py -q
 """
 
 import math
-import os
 import statistics
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import train_ppo  # noqa: E402
-from train_ppo import (  # noqa: E402
+import train_ppo
+from train_ppo import (
     UserError,
     agg_loss,
     compute_gae,
