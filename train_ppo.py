@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 import kl
+from checkpoints import StopSignal, check_resumable, find_checkpoint, load_checkpoint, read_state, save_checkpoint
+from errors import UserError
 from rollout import SamplingParams
 
 HERE = Path(__file__).resolve().parent
@@ -115,7 +117,8 @@ class Config:
     min_lr_ratio: float = opt(0.0, "cosine schedule: the final learning rate as a fraction of the initial one")
     max_grad_norm: float = opt(1.0, "actor gradient clipping (global norm)")
     critic_max_grad_norm: float = opt(1.0, "critic gradient clipping (global norm)")
-    critic_warmup: int = opt(0, "train only the critic for this many steps first")
+    critic_warmup: int = opt(0, "the actor is updated from step critic_warmup on (verl's meaning: steps before it "
+                                "train the critic only; 0 and 1 both update the actor from step 1)")
     ppo_epochs: int = opt(2, "passes over each iteration's rollouts")
     ppo_mini_batch_size: int = opt(32, "prompts per optimizer step (x rollout_n sequences)")
     ppo_micro_batch_size_per_device: int = opt(128, "sequences per forward/backward on one device")
@@ -149,10 +152,6 @@ class Config:
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-class UserError(Exception):
-    """Bad input (config, data, reward): reported as one clear line, no traceback."""
 
 
 def load_config(argv: list[str] | None = None) -> Config:
@@ -352,36 +351,45 @@ def compute_gae(token_rewards, values, mask, gamma, lam):
         return masked_whiten(adv, mask), returns
 
 
-def _group_stats(scores, group_ids):
-    """Per-sequence (mean, unbiased std, count) of its group's scores."""
+def _group_stats(scores, group_ids, valid=None):
+    """Per-sequence (mean, unbiased std, count) of its group's scores, over the group's valid
+    samples only (valid [B] bool; None = all): a dropped sample is no part of any baseline."""
+    w = torch.ones_like(scores) if valid is None else valid.to(scores.dtype)      # [B]
+    scores = torch.where(w > 0, scores, torch.zeros_like(scores))                 # a dropped NaN must not leak
     _, inv = torch.unique(group_ids, return_inverse=True)                         # [B]
-    count = torch.bincount(inv).to(scores.dtype)                                  # [G]
-    mean = torch.zeros_like(count).index_add_(0, inv, scores) / count             # [G]
-    sq = torch.zeros_like(count).index_add_(0, inv, (scores - mean[inv]) ** 2)     # [G]
+    count = torch.zeros(int(inv.max()) + 1, dtype=scores.dtype, device=scores.device).index_add_(0, inv, w)  # [G]
+    mean = torch.zeros_like(count).index_add_(0, inv, scores * w) / count.clamp(min=1)                      # [G]
+    sq = torch.zeros_like(count).index_add_(0, inv, (scores - mean[inv]) ** 2 * w)                           # [G]
     std = torch.sqrt(sq / (count - 1).clamp(min=1))                               # [G]
     return mean[inv], std[inv], count[inv]                                        # [B] each
 
 
-def compute_grpo_advantages(token_rewards, mask, group_ids, norm_by_std=True, eps=1e-6):
-    """Score minus its group's mean (over std) -> (advantages, returns), equal."""
+def _drop(a, valid):
+    """0 for dropped samples (whatever their score was, NaN included)."""
+    return a if valid is None else torch.where(valid, a, torch.zeros_like(a))
+
+
+def compute_grpo_advantages(token_rewards, mask, group_ids, norm_by_std=True, eps=1e-6, valid=None):
+    """Score minus its group's mean (over std) -> (advantages, returns), equal. valid [B]: samples
+    that count in their group's statistics (None = all)."""
     with torch.no_grad():
         scores = token_rewards.sum(-1)                                            # [B]
-        mean, std, n = _group_stats(scores, group_ids)
+        mean, std, n = _group_stats(scores, group_ids, valid)
         mean = torch.where(n > 1, mean, torch.zeros_like(mean))   # a lone sample has no baseline
         std = torch.where(n > 1, std, torch.ones_like(std))
         a = (scores - mean) / (std + eps) if norm_by_std else scores - mean       # [B]
-        adv = a[:, None] * mask                                                   # [B, T]
+        adv = _drop(a, valid)[:, None] * mask                                                   # [B, T]
         return adv, adv
 
 
-def compute_rloo_advantages(token_rewards, mask, group_ids):
-    """Leave-one-out baseline: score minus the mean of the group's other scores."""
+def compute_rloo_advantages(token_rewards, mask, group_ids, valid=None):
+    """Leave-one-out baseline: score minus the mean of the group's other (valid) scores."""
     with torch.no_grad():
         scores = token_rewards.sum(-1)                                            # [B]
-        mean, _, n = _group_stats(scores, group_ids)
+        mean, _, n = _group_stats(scores, group_ids, valid)
         k = n / (n - 1).clamp(min=1)
         a = torch.where(n > 1, scores * k - mean * k, scores)                     # [B]
-        adv = a[:, None] * mask                                                   # [B, T]
+        adv = _drop(a, valid)[:, None] * mask                                                   # [B, T]
         return adv, adv
 
 
@@ -399,13 +407,13 @@ def compute_reinforce_pp_advantages(token_rewards, mask, gamma):
         return adv, returns
 
 
-def compute_reinforce_pp_baseline_advantages(token_rewards, mask, group_ids):
-    """REINFORCE++ with a group-mean baseline, whitened over the batch."""
+def compute_reinforce_pp_baseline_advantages(token_rewards, mask, group_ids, valid=None):
+    """REINFORCE++ with a group-mean baseline (over the group's valid samples), whitened over the batch."""
     with torch.no_grad():
         scores = token_rewards.sum(-1)                                            # [B]
-        mean, _, n = _group_stats(scores, group_ids)
+        mean, _, n = _group_stats(scores, group_ids, valid)
         scores = scores - torch.where(n > 1, mean, torch.zeros_like(mean))
-        x = scores[:, None] * mask                                                # [B, T]
+        x = _drop(scores, valid)[:, None] * mask                                                # [B, T]
         adv = masked_whiten(x, mask) * mask                                       # [B, T]
         return adv, adv
 
@@ -477,19 +485,32 @@ def lr_factor(step, warmup_steps, total_steps, schedule, min_lr_ratio):
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def token_budget_splits(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive groups of sequence indices whose total length stays within max_tokens (a
-    longer sequence goes alone): micro-batches by token count rather than sequence count."""
-    groups, current, used = [], [], 0
-    for i, n in enumerate(lengths):
-        if current and used + n > max_tokens:
-            groups.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
-    if current:
-        groups.append(current)
-    return groups
+def token_budget_splits(lengths: list[int], max_tokens: int, n_groups: int = 0) -> list[list[int]]:
+    """Groups of sequence indices whose total length stays within max_tokens (a longer sequence
+    goes alone): micro-batches by token count rather than sequence count. Longest first, each into
+    the first group with room (first-fit decreasing). With n_groups above the number needed, the
+    fullest groups are halved until there are exactly n_groups: under ZeRO-3 every rank must run
+    as many forward passes as the others. Indices ascend within a group."""
+    if n_groups > len(lengths):
+        raise ValueError(f"cannot split {len(lengths)} sequences into {n_groups} non-empty groups")
+    groups: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        room = next((g for g, u in enumerate(used) if u + lengths[i] <= max_tokens), None)
+        if room is None:
+            groups.append([])
+            used.append(0)
+            room = len(groups) - 1
+        groups[room].append(i)
+        used[room] += lengths[i]
+    while len(groups) < n_groups:
+        fullest = max((g for g in range(len(groups)) if len(groups[g]) > 1), key=lambda g: used[g])
+        members = sorted(groups[fullest], key=lambda i: -lengths[i])
+        groups[fullest], half = members[0::2], members[1::2]
+        used[fullest] = sum(lengths[i] for i in groups[fullest])
+        groups.append(half)
+        used.append(sum(lengths[i] for i in half))
+    return [sorted(g) for g in groups]
 
 
 def explained_variance(returns, values, mask):
@@ -656,37 +677,88 @@ def critic_values(critic, batch: dict):
 
 
 def reward_model_scores(reward_model, batch: dict):
-    """The reward model's score of each whole sequence -> [B]."""
-    out = reward_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"], use_cache=False)
-    return out.logits[:, 0].float()
+    """The reward model's score of each whole sequence, read at its last real token by position
+    (the attention mask), where it was trained to score -> [B]. Hugging Face's sequence
+    classifiers find that token through pad_token_id instead, which with pad == EOS reads the
+    token before the EOS; so the head's per-token output is taken from a hook."""
+    head = getattr(reward_model, "module", reward_model).score                   # the classifier head
+    captured = []
+    hook = head.register_forward_hook(lambda module, args, out: captured.append(out))
+    try:
+        reward_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     position_ids=batch["position_ids"], use_cache=False)
+    finally:
+        hook.remove()
+    per_token = captured[0][..., 0].float()                                       # [B, W]
+    mask = batch["attention_mask"]
+    positions = torch.arange(mask.shape[1], device=mask.device)                   # [W]
+    last = (positions * mask).argmax(-1)                                          # [B]
+    return per_token[torch.arange(mask.shape[0], device=mask.device), last]      # [B]
 
 
-def micro_batches(batch: dict, size: int, max_tokens: int = 0):
-    """Slices of `size` sequences, or with max_tokens > 0 groups within that token budget."""
-    if max_tokens > 0:
-        for group in token_budget_splits(batch["attention_mask"].sum(-1).tolist(), max_tokens):
-            yield select(batch, torch.tensor(group))
-        return
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")   # [B, P + R]; every other 2-d entry is [B, R]
+
+
+def trim_padding(batch: dict) -> dict:
+    """Drop the columns every row pads: left of the longest prompt and right of the longest
+    response, so a micro-batch computes on its own width, not the whole batch's."""
+    R = batch["responses"].shape[1]
+    P = batch["input_ids"].shape[1] - R
+    attn = batch["attention_mask"]
+    used = attn[:, :P].any(0)                                                      # [P]
+    left = int(used.float().argmax()) if used.any() else P
+    r = max(1, int(attn[:, P:].sum(-1).max()))
+    return {k: v[:, left:P + r] if k in SEQUENCE_KEYS else v[:, :r] if v.dim() > 1 else v for k, v in batch.items()}
+
+
+def mini_batches(batch: dict, size: int):
     n = batch["input_ids"].shape[0]
     for start in range(0, n, size):
         yield select(batch, slice(start, start + size))
 
 
+def micro_batches(batch: dict, size: int, max_tokens: int = 0, agree=None) -> list[tuple[torch.Tensor, dict]]:
+    """-> [(row indices, micro-batch)]: slices of `size` sequences, or with max_tokens > 0 groups
+    within that token budget, each trimmed to its own longest sequence. agree(count) -> the count
+    every rank uses (the max over ranks): token budgets split each rank's sequences differently,
+    and under ZeRO-3 a rank running one pass fewer than the others would hang them."""
+    n = batch["input_ids"].shape[0]
+    if max_tokens > 0:
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        count = len(token_budget_splits(lengths, max_tokens))
+        groups = token_budget_splits(lengths, max_tokens, agree(count) if agree else count)
+        parts = [torch.tensor(g) for g in groups]
+    else:
+        parts = [torch.arange(start, min(start + size, n)) for start in range(0, n, size)]
+    return [(idx, trim_padding(select(batch, idx))) for idx in parts]
+
+
 @torch.no_grad()
-def forward_in_micro_batches(fn, batch: dict, size: int, max_tokens: int = 0) -> torch.Tensor:
-    return torch.cat([fn(mb) for mb in micro_batches(batch, size, max_tokens)])
+def forward_in_micro_batches(fn, batch: dict, size: int, max_tokens: int = 0, agree=None) -> torch.Tensor:
+    """fn on each micro-batch, the rows put back in batch order -> [B] or [B, R] (zeros where a
+    trimmed micro-batch had no column)."""
+    out = None
+    for idx, mb in micro_batches(batch, size, max_tokens, agree):
+        part = fn(mb)                                                             # [b] or [b, r]
+        if out is None:
+            shape = (batch["input_ids"].shape[0],) + ((batch["responses"].shape[1],) if part.dim() > 1 else ())
+            out = torch.zeros(shape, dtype=part.dtype, device=part.device)
+        if part.dim() > 1:
+            out[idx.to(part.device), :part.shape[1]] = part
+        else:
+            out[idx.to(part.device)] = part
+    return out
 
 
 def load_models(cfg: Config):
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
                               AutoModelForTokenClassification, AutoTokenizer)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    tokenizer = _load("model_path", cfg.model_path, AutoTokenizer.from_pretrained, "tokenizer")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     # weights stay fp32 for the trained models (bf16 runs under autocast); frozen ones may be bf16
     frozen_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-    actor = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
+    actor = _load("model_path", cfg.model_path, AutoModelForCausalLM.from_pretrained, dtype=torch.float32)
     if cfg.lora_rank:
         from peft import LoraConfig, get_peft_model
         targets = (cfg.lora_target_modules if cfg.lora_target_modules == "all-linear"
@@ -695,24 +767,53 @@ def load_models(cfg: Config):
                                                  lora_dropout=0.0, task_type="CAUSAL_LM"))
     ref = None
     if (cfg.use_kl_in_reward or cfg.use_kl_loss) and not cfg.lora_rank:
-        ref = AutoModelForCausalLM.from_pretrained(cfg.ref_model_path or cfg.model_path, dtype=frozen_dtype)
-        ref.eval().requires_grad_(False)
+        ref = _load("ref_model_path" if cfg.ref_model_path else "model_path", cfg.ref_model_path or cfg.model_path,
+                    AutoModelForCausalLM.from_pretrained, dtype=frozen_dtype)
+        ref.requires_grad_(False)
     critic = None
     if cfg.adv_estimator == "gae":
-        critic = AutoModelForTokenClassification.from_pretrained(
-            cfg.critic_model_path or cfg.model_path, num_labels=1, dtype=torch.float32)
+        critic = _load("critic_model_path" if cfg.critic_model_path else "model_path",
+                       cfg.critic_model_path or cfg.model_path, AutoModelForTokenClassification.from_pretrained,
+                       num_labels=1, dtype=torch.float32)
         critic.config.pad_token_id = tokenizer.pad_token_id
     reward_model = None
     if cfg.reward_model_path:
-        reward_model = AutoModelForSequenceClassification.from_pretrained(
-            cfg.reward_model_path, num_labels=1, dtype=frozen_dtype)
+        reward_model = _load("reward_model_path", cfg.reward_model_path,
+                             AutoModelForSequenceClassification.from_pretrained, num_labels=1, dtype=frozen_dtype)
+        if not isinstance(getattr(reward_model, "score", None), torch.nn.Module):
+            raise UserError(f"reward_model_path: {type(reward_model).__name__} has no `score` head to read per-token "
+                            f"scores from; use a decoder model's ForSequenceClassification class")
         reward_model.config.pad_token_id = tokenizer.pad_token_id
-        reward_model.eval().requires_grad_(False)
+        reward_model.requires_grad_(False)
+    # dropout off in every model, trained ones too (as verl and TRL do): PPO's ratio compares two
+    # forward passes of the same weights, which dropout would make differ; from_pretrained's mode
+    # is not relied on
+    for model in (actor, critic, ref, reward_model):
+        if model is not None:
+            model.eval()
     return tokenizer, actor, critic, ref, reward_model
+
+
+def _load(key: str, path: str, loader, what: str = "model", **kwargs):
+    """A from_pretrained call whose failure names the key and the directory, in one line."""
+    try:
+        return loader(path, **kwargs)
+    except Exception as e:   # transformers raises OSError, ValueError, KeyError, ... for a bad directory
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{key}: cannot load a {what} from {path}: {reason}") from None
 
 
 def budget(cfg: Config) -> int:
     return cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else 0
+
+
+def max_over_ranks(accelerator):
+    """count -> the largest count of any rank; a collective, so every rank calls it together."""
+    def agree(count: int) -> int:
+        if accelerator.num_processes == 1:
+            return count
+        return int(accelerator.gather(torch.tensor([count], device=accelerator.device)).max())
+    return agree
 
 
 def make_optimizer(model, lr: float, cfg: Config):
@@ -781,13 +882,14 @@ def optimizer_step(model, optim, max_norm: float, ds: bool) -> tuple[float, bool
 def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, ds: bool) -> dict:
     stats = Stats()
     mini = cfg.ppo_mini_batch_size * cfg.rollout_n // accelerator.num_processes
+    agree = max_over_ranks(accelerator)
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
     for _ in range(cfg.ppo_epochs):
-        for mb in micro_batches(batch, mini):
+        for mb in mini_batches(batch, mini):
             norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
             loss_total = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0}
-            for micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device, budget(cfg)):
+            for _, micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device, budget(cfg), agree):
                 m = micro["response_mask"]
                 with autocast():
                     logprob, entropy = response_logprobs(actor, micro, cfg.temperature, with_entropy=True)
@@ -815,11 +917,12 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
 def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast, ds: bool) -> dict:
     stats = Stats()
     mini = cfg.ppo_mini_batch_size * cfg.rollout_n // accelerator.num_processes
+    agree = max_over_ranks(accelerator)
     for _ in range(cfg.ppo_epochs):
-        for mb in micro_batches(batch, mini):
+        for mb in mini_batches(batch, mini):
             norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
             vf_total = 0.0
-            for micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device, budget(cfg)):
+            for _, micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device, budget(cfg), agree):
                 with autocast():
                     vpreds = critic_values(critic, micro)
                 vf, clipfrac = value_loss(vpreds, micro["returns"], micro["values"], micro["response_mask"],
@@ -1044,9 +1147,10 @@ class Scorer:
         return scores                                                             # [B]
 
 
-def shape_scores(cfg: Config, scores, lengths, truncated):
+def shape_scores(cfg: Config, scores, lengths, truncated, valid=None):
     """Training rewards from raw scores: DAPO overlong shaping, the truncation penalty, then
-    clipping. Validation and reward/* metrics report the raw scores."""
+    clipping; a dropped sample (valid False: a non-finite score) gets 0, no penalty. Validation
+    and reward/* metrics report the raw scores."""
     if cfg.overlong_buffer_len > 0:
         scores = scores + overlong_penalty(lengths, cfg.max_response_length, cfg.overlong_buffer_len,
                                            cfg.overlong_penalty_factor)
@@ -1054,6 +1158,8 @@ def shape_scores(cfg: Config, scores, lengths, truncated):
         scores = scores - cfg.truncation_penalty * truncated.to(scores.dtype)
     if cfg.reward_clip > 0:
         scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
+    if valid is not None:
+        scores = torch.where(valid, scores, torch.zeros_like(scores))
     return scores                                                                 # [B]
 
 
@@ -1065,28 +1171,38 @@ def place_scores(scores, response_mask):
     return token_scores
 
 
-def compute_advantages(cfg: Config, token_rewards, values, mask, group_ids):
+def compute_advantages(cfg: Config, token_rewards, values, mask, group_ids, valid):
     if cfg.adv_estimator == "gae":
         return compute_gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
     if cfg.adv_estimator == "grpo":
-        return compute_grpo_advantages(token_rewards, mask, group_ids, cfg.norm_adv_by_std_in_grpo)
+        return compute_grpo_advantages(token_rewards, mask, group_ids, cfg.norm_adv_by_std_in_grpo, valid=valid)
     if cfg.adv_estimator == "rloo":
-        return compute_rloo_advantages(token_rewards, mask, group_ids)
+        return compute_rloo_advantages(token_rewards, mask, group_ids, valid)
     if cfg.adv_estimator == "reinforce_plus_plus":
         return compute_reinforce_pp_advantages(token_rewards, mask, cfg.gamma)
-    return compute_reinforce_pp_baseline_advantages(token_rewards, mask, group_ids)
+    return compute_reinforce_pp_baseline_advantages(token_rewards, mask, group_ids, valid)
+
+
+def validation_share(n: int, world: int, rank: int) -> tuple[list[int], int]:
+    """This rank's validation prompts -> (indices, how many of them count). Every rank gets
+    ceil(n / world) prompts, so all run the same number of passes (under ZeRO-3 a rank with fewer
+    would hang the others); the ranks short of prompts repeat prompt 0, which does not count."""
+    mine = list(range(rank, n, world))
+    share = -(-n // world)
+    return mine + [0] * (share - len(mine)), len(mine)
 
 
 def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet) -> tuple[dict, dict]:
     """Greedy (by default) generation on this rank's share of the validation prompts; scores are
     summed over ranks, so the figures cover the whole validation set."""
-    mine = val.take(range(accelerator.process_index, len(val.ids), accelerator.num_processes))
+    idx, real = validation_share(len(val.ids), accelerator.num_processes, accelerator.process_index)
+    mine = val.take(idx)
     params = SamplingParams(n=1, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_response_length)
     responses = engine.generate(mine.ids, params).responses
     batch = to_device(pack_batch(mine.ids, responses, tokenizer.pad_token_id), accelerator.device)
-    scores = scorer(mine, responses, batch, cfg.ppo_micro_batch_size_per_device).to(accelerator.device)
-    texts = mine.texts
+    scores = scorer(mine, responses, batch, cfg.ppo_micro_batch_size_per_device).to(accelerator.device)[:real]
+    texts, responses = mine.texts[:real], responses[:real]
     sums = torch.stack([scores.sum(), (scores >= 1.0).float().sum(), torch.tensor(float(len(scores)), device=scores.device)])
     total, correct, count = accelerator.reduce(sums.double(), reduction="sum").tolist()
     metrics = {"val/score_mean": total / count}
@@ -1329,7 +1445,7 @@ def reduce_metrics(accelerator, metrics: dict) -> dict:
     return dict(zip(keys, accelerator.reduce(t, reduction="mean").tolist()))
 
 
-def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group_ids) -> dict:
+def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group_ids, valid) -> dict:
     """Phase 4 on the whole batch (gathered from all ranks): KL in the reward, the controller
     update, advantages with whitening over every valid token of the step; returns this rank's rows.
     N ranks x B/N prompts thus give the statistics of 1 rank x B prompts."""
@@ -1349,113 +1465,13 @@ def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group
             token_rewards = shaped
             kl_ctrl.update(current_kl.item(), n_steps=full["scores"].shape[0])
         metrics = {"kl/mean": current_kl.item(), "kl/coef": beta if cfg.use_kl_in_reward else 0.0}
-    adv, returns = compute_advantages(cfg, token_rewards, full["values"], full["mask"], group_ids)
+    all_valid = accelerator.gather(valid.float()) > 0                                             # [B]
+    adv, returns = compute_advantages(cfg, token_rewards, full["values"], full["mask"], group_ids, all_valid)
     if cfg.adv_estimator == "gae":
         metrics["critic/explained_var"] = explained_variance(returns, full["values"], full["mask"]).item()
     batch["advantages"] = adv[start:start + rows, :R]
     batch["returns"] = returns[start:start + rows, :R]
     return metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoints: everything needed to continue exactly, written atomically.
-# ----------------------------------------------------------------------------------------------
-# keys that may change between a checkpoint and its resumption; any other difference is refused
-RESUMABLE_KEYS = {"total_training_steps", "save_freq", "save_total_limit", "resume", "test_freq", "val_before_train",
-                  "mlflow_tracking_uri", "mlflow_experiment", "run_name", "log_samples", "output_dir",
-                  "rollout_micro_batch_size", "val_files", "val_temperature"}
-
-
-def find_checkpoint(cfg: Config) -> Path | None:
-    """The checkpoint to resume from: an explicit path, or the newest complete one in output_dir.
-    Only a directory named step_N holding trainer_state.json is complete (both are written last)."""
-    if cfg.resume == "never":
-        return None
-    if cfg.resume != "auto":
-        if not (Path(cfg.resume) / "trainer_state.json").is_file():
-            raise UserError(f"resume={cfg.resume} is not a complete checkpoint (no trainer_state.json)")
-        return Path(cfg.resume)
-    root = Path(cfg.output_dir) / "checkpoints"
-    for path in root.glob(".tmp_step_*"):
-        print(f"warning: skipping partial checkpoint {path} (a save was interrupted)", file=sys.stderr)
-    candidates = sorted(root.glob("step_*"), key=lambda p: int(p.name.split("_")[1]) if p.name.split("_")[1].isdigit() else -1,
-                        reverse=True)
-    for path in candidates:
-        if (path / "trainer_state.json").is_file():
-            return path
-        print(f"warning: skipping incomplete checkpoint {path}", file=sys.stderr)
-    return None
-
-
-def check_resumable(cfg: Config, state: dict, path: Path) -> None:
-    saved, now = state["config"], dataclasses.asdict(cfg)
-    differing = [k for k in now if k not in RESUMABLE_KEYS and saved.get(k) != now[k]]
-    if differing:
-        listing = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in differing)
-        raise UserError(f"checkpoint {path} was made with a different config ({listing}); resume with the same "
-                        f"settings, pick another output_dir, or pass --resume=never")
-
-
-def save_checkpoint(accelerator, ds: bool, cfg: Config, step: int, trained: dict, extra_state: dict) -> Path:
-    """trained: name -> (model, optimizer, scheduler). Written to .tmp_step_N, renamed to step_N
-    when every rank is done, so a crash mid-save never leaves a directory that looks complete."""
-    import random
-    import shutil
-    import numpy as np
-    started = time.perf_counter()
-    root = Path(cfg.output_dir) / "checkpoints"
-    tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    for name, (model, optim, _) in trained.items():
-        if ds:   # each rank writes its own shards of the weights and optimizer state
-            model.save_checkpoint(str(tmp / name), tag="state")
-        elif accelerator.is_main_process:
-            torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optim": optim.state_dict()},
-                       tmp / f"{name}.pt")
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-               tmp / f"rng_rank{accelerator.process_index}.pt")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        state = {"step": step, "world_size": accelerator.num_processes, "config": dataclasses.asdict(cfg),
-                 "schedulers": {n: s.state_dict() for n, (_, _, s) in trained.items()}, **extra_state}
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        done = sorted((p for p in root.glob("step_*") if p.name.split("_")[1].isdigit()),
-                      key=lambda p: int(p.name.split("_")[1]))
-        for old in done[:-cfg.save_total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        print(f"checkpoint {final} saved in {time.perf_counter() - started:.2f} s", flush=True)
-    return final
-
-
-def load_checkpoint(accelerator, ds: bool, path: Path, state: dict, trained: dict) -> None:
-    import random
-    import numpy as np
-    if state["world_size"] != accelerator.num_processes:
-        raise UserError(f"checkpoint {path} was written by {state['world_size']} processes, this run has "
-                        f"{accelerator.num_processes}: resume with the same num_processes")
-    for name, (model, optim, sched) in trained.items():
-        if ds:
-            model.load_checkpoint(str(path / name), tag="state", load_optimizer_states=True,
-                                  load_lr_scheduler_states=False)
-        else:
-            saved = torch.load(path / f"{name}.pt", map_location=accelerator.device, weights_only=False)
-            accelerator.unwrap_model(model).load_state_dict(saved["model"])
-            optim.load_state_dict(saved["optim"])
-        sched.load_state_dict(state["schedulers"][name])
-    rng = torch.load(path / f"rng_rank{accelerator.process_index}.pt", weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None:
-        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 class Guards:
@@ -1490,10 +1506,10 @@ def rollback(run, guards: Guards, reason: str, step: int) -> dict:
     if guards.rollbacks > cfg.max_rollbacks:
         raise UserError(f"step {step}: {reason}; giving up after max_rollbacks={cfg.max_rollbacks} rollbacks "
                         f"(lower actor_lr or raise kl_rollback_threshold)")
-    path = find_checkpoint(dataclasses.replace(cfg, resume="auto"))
+    path = find_checkpoint("auto", cfg.output_dir)
     if path is None:
         raise UserError(f"step {step}: {reason}, and there is no checkpoint to roll back to: set save_freq")
-    state = json.loads((path / "trainer_state.json").read_text())
+    state = read_state(path)
     restore(run, path, state)
     _, optim, sched = run.trained["actor"]
     scale = cfg.rollback_lr_factor ** (guards.rollbacks - state.get("rollbacks", 0))   # its lr may be scaled already
@@ -1504,25 +1520,6 @@ def rollback(run, guards: Guards, reason: str, step: int) -> dict:
         print(f"warning: step {step}: {reason}; rolling back to {path} with actor lr x{scale:g} "
               f"(rollback {guards.rollbacks}/{cfg.max_rollbacks})", file=sys.stderr, flush=True)
     return state
-
-
-class StopSignal:
-    """SIGTERM/SIGINT ask for a checkpoint at the end of the current step, then a clean exit."""
-
-    def __init__(self):
-        import signal
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.requested:   # a second Ctrl-C: stop now, without the checkpoint
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def agreed(self, accelerator) -> bool:
-        flag = torch.tensor([float(self.requested)], device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)   # every rank stops together
 
 
 @dataclass
@@ -1546,6 +1543,7 @@ class Run:
     autocast: typing.Any
     first_step: int = 1
     resumed: dict | None = None
+    engine_state: dict | None = None   # the rollout engine's state from a checkpoint
 
 
 def setup(cfg: Config) -> Run:
@@ -1557,10 +1555,12 @@ def setup(cfg: Config) -> Run:
     accelerator, ds = make_accelerator(cfg)
     world, rank = accelerator.num_processes, accelerator.process_index
     check_world_size(cfg, world)
-    ckpt = find_checkpoint(cfg)
-    resumed = json.loads((ckpt / "trainer_state.json").read_text()) if ckpt else None
+    ckpt = find_checkpoint(cfg.resume, cfg.output_dir)
+    resumed = read_state(ckpt) if ckpt else None
     if resumed:
-        check_resumable(cfg, resumed, ckpt)
+        for note in check_resumable(dataclasses.asdict(cfg), resumed, ckpt):
+            if accelerator.is_main_process:
+                print(f"resume: {note}", flush=True)
     set_seed(cfg.seed)          # the same initialisation (e.g. the value head) on every rank
     out_dir = Path(cfg.output_dir)
     if accelerator.is_main_process:
@@ -1590,13 +1590,18 @@ def setup(cfg: Config) -> Run:
     run.engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, [gathered_params(actor, ds), autocast],
                              world, rank)
     run.engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))   # e.g. a resumed actor
+    if resumed:
+        run.engine.load_state_dict(run.engine_state)
     run.tracker = Tracker(cfg, out_dir, accelerator.is_main_process, resumed)
     return run
 
 
 def restore(run: Run, path: Path, state: dict) -> None:
     """A checkpoint's models, optimizers, schedules, RNGs, KL controller and data position."""
-    load_checkpoint(run.accelerator, run.ds, path, state, run.trained)
+    mine = load_checkpoint(run.accelerator, run.ds, path, state, run.trained)
+    run.engine_state = mine.get("engine", {})   # the sampler's seed counter: a resumed run samples the same
+    if run.engine is not None:
+        run.engine.load_state_dict(run.engine_state)
     run.kl_ctrl.load_state_dict(state["kl_ctrl"])
     run.stream.epoch, run.stream.pos = state["data"]["epoch"], state["data"]["pos"]
     run.first_step = state["step"] + 1
@@ -1630,24 +1635,25 @@ def train_step(run: Run, step: int) -> dict:
         if nonfinite.any():   # those samples take no part in the update
             scores, mask[nonfinite] = torch.where(nonfinite, 0.0, scores), 0.0
         truncated = is_truncated(rollout.responses, tokenizer.eos_token_id, cfg.max_response_length)
-        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device)), mask)
+        valid = ~nonfinite                                                                     # [b]
+        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), valid), mask)
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
     with timed(times, "forward"), run.autocast():
         logprobs_of = lambda model: lambda mb: response_logprobs(model, mb, cfg.temperature)[0]   # noqa: E731
-        batch["old_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, micro, budget(cfg))  # [b, R]
+        passes = dict(size=micro, max_tokens=budget(cfg), agree=max_over_ranks(accelerator))
+        batch["old_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, **passes)      # [b, R]
         if run.ref is not None:
-            batch["ref_logprob"] = forward_in_micro_batches(logprobs_of(run.ref), batch, micro, budget(cfg))
+            batch["ref_logprob"] = forward_in_micro_batches(logprobs_of(run.ref), batch, **passes)
         elif cfg.lora_rank and (cfg.use_kl_in_reward or cfg.use_kl_loss):
             with accelerator.unwrap_model(run.actor).disable_adapter():   # the base model is the reference
-                batch["ref_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, micro, budget(cfg))
+                batch["ref_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, **passes)
         if run.critic is not None:
-            batch["values"] = forward_in_micro_batches(lambda mb: critic_values(run.critic, mb), batch, micro,
-                                                       budget(cfg))
+            batch["values"] = forward_in_micro_batches(lambda mb: critic_values(run.critic, mb), batch, **passes)
 
     # 4 rewards and advantages over the whole batch (timed with the forward passes: it is tiny)
     with timed(times, "forward"):
-        metrics = rewards_and_advantages(cfg, accelerator, run.kl_ctrl, batch, token_scores, group_ids)
+        metrics = rewards_and_advantages(cfg, accelerator, run.kl_ctrl, batch, token_scores, group_ids, valid)
 
     # 5 update: critic, then actor (after critic_warmup steps)
     with timed(times, "update"):
@@ -1655,7 +1661,7 @@ def train_step(run: Run, step: int) -> dict:
             critic, critic_optim, critic_sched = run.trained["critic"]
             metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, run.autocast, run.ds))
             critic_sched.step()
-        if step > cfg.critic_warmup:
+        if step >= cfg.critic_warmup:   # verl: update the actor once global_steps >= critic_warmup
             actor, actor_optim, actor_sched = run.trained["actor"]
             metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, run.autocast, run.ds))
             metrics["actor/lr"] = actor_sched.get_last_lr()[0]
@@ -1735,10 +1741,13 @@ def main(cfg: Config) -> None:
 
             # 8 checkpoint (on its frequency, or when asked to stop)
             stopping = stop.agreed(accelerator)
-            if stopping or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
-                save_checkpoint(accelerator, run.ds, cfg, step, run.trained, {
-                    "kl_ctrl": run.kl_ctrl.state_dict(), "data": {"epoch": run.stream.epoch, "pos": run.stream.pos},
-                    "mlflow_run_id": tracker.run_id, "rollbacks": guards.rollbacks})
+            on_freq = cfg.save_freq > 0 and (step % cfg.save_freq == 0 or step == cfg.total_training_steps)
+            if stopping or on_freq:
+                save_checkpoint(accelerator, run.ds, cfg.output_dir, cfg.save_total_limit, step, run.trained, {
+                    "config": dataclasses.asdict(cfg), "kl_ctrl": run.kl_ctrl.state_dict(),
+                    "data": {"epoch": run.stream.epoch, "pos": run.stream.pos},
+                    "mlflow_run_id": tracker.run_id, "rollbacks": guards.rollbacks},
+                    {"engine": run.engine.state_dict()})
             if stopping:
                 if accelerator.is_main_process:
                     print(f"stopped by a signal after step {step}; checkpoint saved, resume with the same command",
@@ -1754,7 +1763,10 @@ def main(cfg: Config) -> None:
               flush=True)
     finally:
         tracker.finish(status, final_dir)
-        accelerator.wait_for_everyone()
+        # a rank leaving on an error (or a second Ctrl-C) runs no collective: the others may be
+        # inside a different one, and the launcher ends them once this process exits
+        if status != "FAILED":
+            accelerator.wait_for_everyone()
         run.engine.shutdown()   # vLLM's teardown may already destroy the process group
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -34,6 +34,8 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None: ...                                  # after generating: free GPU memory
     def wake_up(self, tags: list[str] | None = None) -> None: ...  # "weights" before a sync, "kv_cache" before generating
     def shutdown(self) -> None: ...
+    def state_dict(self) -> dict: ...                            # plain JSON, saved in checkpoints per rank
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> list[int]:

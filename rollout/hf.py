@@ -78,3 +78,9 @@ class HFEngine:
 
     def shutdown(self) -> None:
         pass
+
+    def state_dict(self) -> dict:
+        return {}   # sampling draws from torch's RNG, which the checkpoint saves anyway
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -177,6 +177,14 @@ class VLLMEngine:
         barrier, in place of destroy_process_group()."""
         self._llm.llm_engine.engine_core.shutdown()
 
+    def state_dict(self) -> dict:
+        """The per-request seed counter: a resumed run continues the same sequence of seeds."""
+        return {"next_seed": self._next_seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "next_seed" in state:
+            self._next_seed = int(state["next_seed"])
+
     def _check_ready(self, what: str, asleep: set[str]) -> None:
         if asleep:
             raise RuntimeError(f"{what}() while the vLLM engine sleeps ({', '.join(sorted(asleep))}): "

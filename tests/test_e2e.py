@@ -192,9 +192,10 @@ def test_critic_free_estimators_train_without_a_critic(tmp_path, estimator):
     assert records[1]["actor/lr"] < records[0]["actor/lr"]           # cosine decays
 
 
-def test_critic_warmup_holds_the_actor_back(tmp_path):
+def test_critic_warmup_holds_the_actor_back_as_verl_counts(tmp_path):
+    """verl updates the actor once global_steps (from 1) >= critic_warmup: 2 skips step 1 only."""
     out = tmp_path / "out"
-    proc = run(tmp_path, f"--output_dir={out}", "--critic_warmup=1", "--total_training_steps=2", "--test_freq=-1",
+    proc = run(tmp_path, f"--output_dir={out}", "--critic_warmup=2", "--total_training_steps=2", "--test_freq=-1",
                "--val_before_train=false", *FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = read_metrics(out)

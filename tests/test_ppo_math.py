@@ -252,6 +252,37 @@ def test_rloo_pair():
     close(adv, [[4.0 - 0.0], [0.0 - 4.0]])
 
 
+def test_a_dropped_sample_is_no_part_of_its_groups_baseline():
+    """skip_nonfinite_rewards: a group scored [1, 1, 1, NaN] trains as the group [1, 1, 1]: the NaN
+    sample (its score zeroed, its mask cleared) changes no baseline."""
+    scores = t([[1.0], [1.0], [1.0], [0.0]])            # the NaN, zeroed by the trainer
+    mask = t([[1], [1], [1], [0]])
+    valid = torch.tensor([True, True, True, False])
+    groups = torch.tensor([3, 3, 3, 3])
+    three = (t([[1.0], [1.0], [1.0]]), t([[1], [1], [1]]), groups[:3])
+    adv, _ = compute_grpo_advantages(scores, mask, groups, valid=valid)
+    close(adv, compute_grpo_advantages(*three)[0].tolist() + [[0.0]])
+    close(adv, [[0.0]] * 4)                              # all three equal: no advantage
+    adv, _ = compute_rloo_advantages(scores, mask, groups, valid)
+    close(adv, [[0.0]] * 4)
+    adv, _ = compute_reinforce_pp_baseline_advantages(scores, mask, groups, valid)
+    close(adv, [[0.0]] * 4)
+    # a NaN left in place is not read either
+    nan_scores = t([[1.0], [2.0], [3.0], [float("nan")]])
+    adv, _ = compute_grpo_advantages(nan_scores, mask, groups, norm_by_std=False, valid=valid)
+    close(adv, [[-1.0], [0.0], [1.0], [0.0]])
+
+
+def test_a_dropped_sample_gets_no_shaping_penalty():
+    from train_ppo import Config, shape_scores
+    cfg = Config(truncation_penalty=0.5, overlong_buffer_len=2, max_response_length=4, reward_clip=0.0)
+    scores, lengths = t([1.0, 0.0]), t([4.0, 0.0])
+    truncated = torch.tensor([True, True])
+    shaped = shape_scores(cfg, scores, lengths, truncated, valid=torch.tensor([True, False]))
+    assert shaped[1].item() == 0.0
+    assert shaped[0].item() == pytest.approx(1.0 - 1.0 - 0.5)   # overlong at the max (-1) and truncated (-0.5)
+
+
 def test_reinforce_pp_discounted_returns_and_whitening():
     r = t([[1.0, 0.0, 2.0], [0.0, 4.0, 7.0]])  # the 7 sits on a padded position
     m = t([[1, 1, 1], [1, 1, 0]])
@@ -722,10 +753,74 @@ def test_lr_factor_warmup_constant_and_cosine():
     assert lr_factor(20, 4, 20, "cosine", 0.1) == pytest.approx(0.1)
 
 
-def test_token_budget_splits_respect_the_budget_and_keep_order():
+def test_token_budget_splits_respect_the_budget_and_cover_every_sequence_once():
     from train_ppo import token_budget_splits
-    assert token_budget_splits([3, 3, 3, 5, 9, 1], 6) == [[0, 1], [2], [3], [4], [5]]
+    lengths = [3, 3, 3, 5, 9, 1]
+    groups = token_budget_splits(lengths, 6)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:   # within budget, unless a sequence alone is longer
+        assert sum(lengths[i] for i in g) <= 6 or len(g) == 1
+        assert g == sorted(g)
+    assert len(groups) == 4   # first-fit decreasing: {9} {5, 1} {3, 3} {3}
     assert token_budget_splits([2, 2, 2], 100) == [[0, 1, 2]]
+
+
+def test_token_budget_splits_into_an_agreed_count_stay_within_the_budget():
+    """Another rank needed more micro-batches: this one splits into exactly that many."""
+    from train_ppo import token_budget_splits
+    lengths = [4, 4, 4, 4, 2, 2]
+    assert len(token_budget_splits(lengths, 100)) == 1
+    for count in range(1, len(lengths) + 1):
+        groups = token_budget_splits(lengths, 100, count)
+        assert len(groups) == count and all(groups)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    groups = token_budget_splits(lengths, 8, 5)
+    assert len(groups) == 5 and all(sum(lengths[i] for i in g) <= 8 for g in groups)
+    with pytest.raises(ValueError):
+        token_budget_splits(lengths, 100, len(lengths) + 1)
+
+
+def test_micro_batches_are_trimmed_to_their_own_longest_sequence():
+    """The token budget bounds what is computed: no column that every row of a micro-batch pads."""
+    from train_ppo import micro_batches, pack_batch
+    prompts = [[5] * 2, [5] * 9, [6] * 3, [7] * 1]
+    responses = [[1] * 2, [1] * 6, [2] * 1, [3] * 3]
+    batch = pack_batch(prompts, responses, pad_id=0)                              # width 9 + 6
+    for idx, mb in micro_batches(batch, 0, max_tokens=7):
+        rows = idx.tolist()
+        longest_prompt = max(len(prompts[i]) for i in rows)
+        longest_response = max(len(responses[i]) for i in rows)
+        assert mb["input_ids"].shape[1] == longest_prompt + longest_response
+        assert mb["responses"].shape[1] == mb["response_mask"].shape[1] == longest_response
+        assert int(mb["attention_mask"].sum()) == sum(len(prompts[i]) + len(responses[i]) for i in rows)
+        assert int(mb["attention_mask"].sum()) <= 7 or len(rows) == 1
+        for j, i in enumerate(rows):   # the real tokens survive, in place
+            assert mb["input_ids"][j][mb["attention_mask"][j].bool()].tolist() == prompts[i] + responses[i]
+
+
+def test_forward_in_micro_batches_puts_rows_back_in_batch_order():
+    from train_ppo import forward_in_micro_batches, pack_batch
+    prompts = [[5] * 4, [5], [6] * 2, [7] * 3, [8]]
+    responses = [[1] * 3, [1], [2] * 2, [3] * 4, [4] * 2]
+    batch = pack_batch(prompts, responses, pad_id=0)
+    row_sums = lambda mb: mb["input_ids"].sum(-1).float()                         # noqa: E731
+    first_token = lambda mb: mb["responses"].float()                              # noqa: E731
+    for kwargs in ({"size": 2}, {"size": 0, "max_tokens": 6}, {"size": 0, "max_tokens": 6, "agree": lambda k: 5}):
+        assert forward_in_micro_batches(row_sums, batch, **kwargs).tolist() == [sum(p + r) for p, r in
+                                                                                 zip(prompts, responses)]
+        got = forward_in_micro_batches(first_token, batch, **kwargs)
+        assert got.shape == batch["responses"].shape
+        assert (got == batch["responses"].float() * batch["response_mask"]).all()
+
+
+def test_validation_shares_are_equal_on_every_rank_and_count_each_prompt_once():
+    from train_ppo import validation_share
+    for n in (1, 2, 3, 7):
+        for world in (1, 2, 3, 4):
+            shares = [validation_share(n, world, rank) for rank in range(world)]
+            assert len({len(idx) for idx, _ in shares}) == 1                    # same number of passes
+            counted = [i for idx, real in shares for i in idx[:real]]
+            assert sorted(counted) == list(range(n))
 
 
 def test_micro_batches_by_token_budget_sum_to_the_mini_batch_loss():
@@ -735,6 +830,6 @@ def test_micro_batches_by_token_budget_sum_to_the_mini_batch_loss():
     batch["loss"] = loss_mat
     whole = agg_loss(loss_mat, batch["response_mask"], "token-mean")
     norms = {"num_tokens": batch["response_mask"].sum()}
-    pieces = [agg_loss(mb["loss"], mb["response_mask"], "token-mean", **norms) for mb in micro_batches(batch, 0, 6)]
+    pieces = [agg_loss(mb["loss"], mb["response_mask"], "token-mean", **norms) for _, mb in micro_batches(batch, 0, 6)]
     assert len(pieces) > 1
     assert sum(pieces) == pytest.approx(whole.item())

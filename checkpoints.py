@@ -1,0 +1,224 @@
+"""Checkpoints, resuming and stop signals: the plumbing train_ppo.py calls in one line each.
+
+A checkpoint is `<output_dir>/checkpoints/step_N/`: the trained models and their optimizers
+(DeepSpeed's own sharded checkpoints under DeepSpeed, one `<name>.pt` of tensors otherwise),
+`rank_K.json` per rank (every RNG state and the rollout engine's sampling state, as plain JSON) and
+`trainer_state.json` (step, config, schedules, KL controller, data position, ...), written last.
+It is data, not code: every file is read as JSON or with `torch.load(weights_only=True)`, so a
+tampered checkpoint is refused instead of running what it carries.
+
+This module takes plain values (paths, dicts, the accelerator); it never imports train_ppo.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from errors import UserError
+
+# keys that may change between a checkpoint and its resumption; any other difference is refused
+RESUMABLE_KEYS = {"total_training_steps", "save_freq", "save_total_limit", "resume", "test_freq", "val_before_train",
+                  "mlflow_tracking_uri", "mlflow_experiment", "run_name", "log_samples", "output_dir",
+                  "rollout_micro_batch_size", "val_files", "val_temperature"}
+
+
+def find_checkpoint(resume: str, output_dir: str) -> Path | None:
+    """The checkpoint to resume from: an explicit path, or (resume=auto) the newest complete one in
+    output_dir. Only a directory named step_N holding trainer_state.json is complete (both are
+    written last)."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        if not (Path(resume) / "trainer_state.json").is_file():
+            raise UserError(f"resume={resume} is not a complete checkpoint (no trainer_state.json)")
+        return Path(resume)
+    root = Path(output_dir) / "checkpoints"
+    for path in root.glob(".tmp_step_*"):
+        print(f"warning: skipping partial checkpoint {path} (a save was interrupted)", file=sys.stderr)
+    for path in sorted(_step_dirs(root), key=_step_of, reverse=True):
+        if (path / "trainer_state.json").is_file():
+            return path
+        print(f"warning: skipping incomplete checkpoint {path}", file=sys.stderr)
+    return None
+
+
+def read_state(path: Path) -> dict:
+    try:
+        return json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"checkpoint {path}: trainer_state.json cannot be read ({e}); pass --resume=never or "
+                        f"another checkpoint") from None
+
+
+def check_resumable(config: dict, state: dict, path: Path) -> list[str]:
+    """Refuses a checkpoint made with a different config (naming the keys) -> notes on the
+    resumable keys that did change, for the log. total_training_steps sets the cosine
+    schedule's length, so changing it is refused under that schedule."""
+    saved = state["config"]
+    differing = [k for k in config if k not in RESUMABLE_KEYS and saved.get(k) != config[k]]
+    steps_before, steps_now = saved.get("total_training_steps"), config["total_training_steps"]
+    if steps_before != steps_now and config.get("lr_scheduler_type") == "cosine":
+        differing.append("total_training_steps")
+    if differing:
+        listing = ", ".join(f"{k}: {saved.get(k)!r} -> {config[k]!r}" for k in differing)
+        why = (" (total_training_steps sets the cosine schedule's length)" if "total_training_steps" in differing
+               else "")
+        raise UserError(f"checkpoint {path} was made with a different config ({listing}){why}; resume with the "
+                        f"same settings, pick another output_dir, or pass --resume=never")
+    return [f"{k} changed from {saved.get(k)!r} to {config[k]!r} since the checkpoint; using {config[k]!r}"
+            for k in sorted(RESUMABLE_KEYS) if k in config and k != "resume" and saved.get(k) != config[k]]
+
+
+def save_checkpoint(accelerator, ds: bool, output_dir: str, keep: int, step: int, trained: dict, state: dict,
+                    rank_state: dict) -> Path:
+    """trained: name -> (model, optimizer, scheduler); state: the trainer state (plain JSON);
+    rank_state: this rank's own plain-JSON state (e.g. the rollout engine's). Written to
+    .tmp_step_N and renamed to step_N when every rank is done, so a crash mid-save never leaves a
+    directory that looks complete; only the newest `keep` checkpoints stay."""
+    started = time.perf_counter()
+    root = Path(output_dir) / "checkpoints"
+    tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    for name, (model, optim, _) in trained.items():
+        if ds:   # each rank writes its own shards of the weights and optimizer state
+            model.save_checkpoint(str(tmp / name), tag="state")
+        elif accelerator.is_main_process:
+            torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optim": optim.state_dict()},
+                       tmp / f"{name}.pt")
+    (tmp / f"rank_{accelerator.process_index}.json").write_text(json.dumps({"rng": _rng_state(), **rank_state}))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        full = {"step": step, "world_size": accelerator.num_processes,
+                "schedulers": {n: s.state_dict() for n, (_, _, s) in trained.items()}, **state}
+        (tmp / "trainer_state.json").write_text(json.dumps(full))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(_step_dirs(root), key=_step_of)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        print(f"checkpoint {final} saved in {time.perf_counter() - started:.2f} s", flush=True)
+    return final
+
+
+def load_checkpoint(accelerator, ds: bool, path: Path, state: dict, trained: dict) -> dict:
+    """Models, optimizers, schedules and this rank's RNGs from a checkpoint -> this rank's saved
+    plain state (e.g. the rollout engine's)."""
+    if state["world_size"] != accelerator.num_processes:
+        raise UserError(f"checkpoint {path} was written by {state['world_size']} processes, this run has "
+                        f"{accelerator.num_processes}: resume with the same num_processes")
+    for name, (model, optim, sched) in trained.items():
+        if ds:
+            with _weights_only_deepspeed_load(path / name):
+                model.load_checkpoint(str(path / name), tag="state", load_optimizer_states=True,
+                                      load_lr_scheduler_states=False)
+        else:
+            saved = safe_load(path / f"{name}.pt", map_location=accelerator.device)
+            accelerator.unwrap_model(model).load_state_dict(saved["model"])
+            optim.load_state_dict(saved["optim"])
+        sched.load_state_dict(state["schedulers"][name])
+    file = path / f"rank_{accelerator.process_index}.json"
+    try:
+        mine = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"checkpoint {path}: {file.name} cannot be read ({e})") from None
+    _set_rng_state(mine.pop("rng"))
+    return mine
+
+
+def safe_load(file: Path, **kwargs):
+    """torch.load of tensors and plain containers only; anything else (a pickled callable, a
+    class) is refused with an error naming the file."""
+    try:
+        return torch.load(file, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        reason = str(e).strip().splitlines()
+        raise UserError(f"checkpoint file {file} holds more than tensors and plain data, refused (a checkpoint is "
+                        f"data, not code): {reason[1] if len(reason) > 1 else reason[0]}") from None
+
+
+@contextmanager
+def _weights_only_deepspeed_load(where: Path):
+    """DeepSpeed reads its checkpoint files with torch.load(weights_only=False) and offers no
+    switch; torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD overrides that call site. Besides tensors and
+    plain containers, DeepSpeed's files hold three plain-data classes of its own: allowed by name."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    saved = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+            yield
+    except pickle.UnpicklingError as e:
+        reason = str(e).strip().splitlines()
+        raise UserError(f"checkpoint {where} holds more than tensors and plain data, refused (a checkpoint is data, "
+                        f"not code): {reason[1] if len(reason) > 1 else reason[0]}") from None
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = saved
+
+
+def _rng_state() -> dict:
+    """Every RNG this process samples with, as plain JSON."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": torch.get_rng_state().tolist(),
+            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(rng: dict) -> None:
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
+    if rng["cuda"] is not None:
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in rng["cuda"]])
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    return [p for p in root.glob("step_*") if p.name.split("_", 1)[1].isdigit()]
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("_", 1)[1])
+
+
+class StopSignal:
+    """SIGTERM/SIGINT ask for a checkpoint at the end of the current step, then a clean exit; every
+    rank stops together (agreed() is a collective each step). A second signal stops this rank at
+    once: it raises KeyboardInterrupt, the script's exit path then runs no collective (so this rank
+    never waits on the others), and the launcher ends the other ranks."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def agreed(self, accelerator) -> bool:
+        flag = torch.tensor([float(self.requested)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
