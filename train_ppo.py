@@ -191,7 +191,13 @@ def _read_yaml(path: str) -> dict:
     import yaml
     if not Path(path).is_file():
         raise UserError(f"config file {path} does not exist")
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise UserError(f"config file {path} is not valid YAML{at}: {problem}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must be a mapping of key: value, got {type(data).__name__}")
     return data
@@ -271,6 +277,17 @@ def validate_config(cfg: Config) -> None:
          f"resume must be auto, never or a checkpoint directory; {cfg.resume} does not exist")
     need(cfg.val_temperature >= 0, f"val_temperature must be >= 0, got {cfg.val_temperature}")
     need(0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
+    need(cfg.top_k == -1 or cfg.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {cfg.top_k}")
+    for key in ("actor_lr", "critic_lr", "max_grad_norm", "critic_max_grad_norm", "rollout_kv_cache_gb",
+                "rollout_sync_bucket_mb", "ppo_max_token_len_per_device"):
+        need(getattr(cfg, key) > 0, f"{key} must be > 0, got {getattr(cfg, key)}")
+    for key in ("weight_decay", "lr_warmup_steps", "critic_warmup", "kl_coef", "kl_loss_coef", "log_samples",
+                "reward_clip"):
+        need(getattr(cfg, key) >= 0, f"{key} must be >= 0, got {getattr(cfg, key)}")
+    for key in ("gamma", "lam"):
+        need(0 <= getattr(cfg, key) <= 1, f"{key} must be in [0, 1], got {getattr(cfg, key)}")
+    need(0 < cfg.rollout_gpu_memory_utilization <= 1,
+         f"rollout_gpu_memory_utilization must be in (0, 1], got {cfg.rollout_gpu_memory_utilization}")
     for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "cliprange_value"):
         value = getattr(cfg, key)
         need(value is None or value > 0, f"{key} must be > 0, got {value}")
@@ -534,15 +551,37 @@ def read_table(path: str):
     import pandas as pd
     if not Path(path).is_file():
         raise UserError(f"{path}: no such file")
-    if path.endswith(".parquet"):
-        frame = pd.read_parquet(path)
-    elif path.endswith((".jsonl", ".json")):
-        frame = pd.read_json(path, lines=True)
-    else:
+    if not path.endswith((".parquet", ".jsonl", ".json")):
         raise UserError(f"{path}: unsupported file type (use .parquet or .jsonl)")
+    kind = "parquet" if path.endswith(".parquet") else "JSON lines"
+    try:
+        frame = pd.read_parquet(path) if kind == "parquet" else _read_json_lines(path)
+    except UserError:
+        raise
+    except Exception as e:   # pyarrow and pandas raise many types for a damaged file
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path}: cannot be read as {kind}: {reason}") from None
     if len(frame) == 0:
         raise UserError(f"{path}: the file has no rows")
     return frame
+
+
+def _read_json_lines(path: str):
+    """One JSON object per line; a line that is not one is named by its number."""
+    import pandas as pd
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise UserError(f"{path}: line {number} is not valid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object of columns")
+            rows.append(row)
+    return pd.DataFrame(rows)
 
 
 @dataclass
@@ -590,7 +629,13 @@ def _render_prompt(prompt, tokenizer, path, row) -> str:
     if hasattr(prompt, "tolist"):
         prompt = prompt.tolist()
     if isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(f"{path}: row {row} is a list of chat messages, but the tokenizer of model_path has no "
+                            f"chat template to render them: give plain-string prompts or a model with one")
+        try:
+            return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        except Exception as e:
+            raise UserError(f"{path}: row {row}: the chat template cannot render these messages: {e}") from None
     raise UserError(f"{path}: row {row}: a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
 
 
@@ -1564,8 +1609,11 @@ def setup(cfg: Config) -> Run:
     set_seed(cfg.seed)          # the same initialisation (e.g. the value head) on every rank
     out_dir = Path(cfg.output_dir)
     if accelerator.is_main_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        except OSError as e:
+            raise UserError(f"output_dir {out_dir} cannot be written: {e.strerror or e}") from None
     autocast = accelerator.autocast if cfg.dtype == "bf16" and not ds else nullcontext
 
     tokenizer, actor, critic, ref, reward_model = load_models(cfg)
