@@ -66,7 +66,7 @@ def test_short_run_writes_the_metrics_contract(short_run):
     assert "val/accuracy" in records[2] and "val/accuracy" in records[3]   # test_freq=2 and the last step
     assert "val/accuracy" not in records[1]
     assert records[1]["kl/mean"] == pytest.approx(0.0, abs=1e-6)          # actor == ref before any update
-    assert records[3]["kl/mean"] > 0                                      # and no longer after updates
+    assert records[3]["kl/mean"] > 1e-4                                   # and no longer after updates
     for r in records[1:]:   # the phases account for the step
         phases = sum(v for k, v in r.items() if k.startswith("time/") and k not in ("time/step_s", "time/val_s"))
         assert phases == pytest.approx(r["time/step_s"], rel=0.05)

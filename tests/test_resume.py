@@ -1,7 +1,9 @@
 """Checkpoints and exact resumption, single process on CPU, with real kills of the training process.
 
 The reference run is never interrupted; every interrupted-and-resumed run must reproduce its
-metrics.jsonl exactly (all values but timings) for every step.
+metrics.jsonl exactly (all values but timings) for every step. Exact equality on purpose: the runs
+share the machine, the thread count and the process layout, so the same operations round the same
+way; a resume that reproduced only approximately would be restoring something wrong.
 """
 import json
 import os
@@ -154,3 +156,67 @@ def test_nonfinite_reward_can_be_skipped_instead_of_stopping(tmp_path):
     assert logged[1]["reward/nonfinite_frac"] == pytest.approx(3 / 32)
     assert logged[0]["reward/nonfinite_frac"] == 0.0
     assert all(abs(v) < float("inf") for r in logged for v in r.values())
+
+
+class _Payload:
+    """Unpickling this runs code: it would create the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_checkpoint_file_carrying_a_pickled_callable_is_refused(tmp_path):
+    """A checkpoint is data: a tampered file is refused with an error naming it, and what it
+    carries never runs."""
+    import torch
+    out = tmp_path / "out"
+    proc = run(tmp_path, out, "--total_training_steps=2", "--test_freq=-1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    actor = out / "checkpoints" / "step_2" / "actor.pt"
+    saved = torch.load(actor, weights_only=True)
+    marker = tmp_path / "pwned"
+    saved["extra"] = _Payload(str(marker))
+    torch.save(saved, actor)
+    proc = run(tmp_path, out, "--total_training_steps=3", "--test_freq=-1")
+    assert proc.returncode != 0
+    assert not marker.exists(), "unpickling the checkpoint ran its payload"
+    assert "Traceback" not in proc.stderr
+    assert str(actor) in proc.stderr and "refused" in proc.stderr
+
+
+def test_the_last_step_is_checkpointed_and_a_longer_run_is_said_in_the_log(tmp_path, reference):
+    """save_freq=4 over 6 steps saves steps 4 and 6 (verl saves the last step too). Resuming with a
+    larger total_training_steps under the constant schedule continues, and says so."""
+    out = tmp_path / "out"
+    proc = run(tmp_path, out, "--save_freq=4", "--total_training_steps=5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_4", "step_5"]
+    proc = run(tmp_path, out, "--save_freq=4")   # total_training_steps=6
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "total_training_steps changed from 5 to 6" in proc.stdout
+    assert [r["step"] for r in records(out)] == list(range(7))
+
+
+def test_a_different_length_under_the_cosine_schedule_is_refused_naming_the_key(tmp_path):
+    out = tmp_path / "out"
+    proc = run(tmp_path, out, "--lr_scheduler_type=cosine", "--total_training_steps=2", "--test_freq=-1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run(tmp_path, out, "--lr_scheduler_type=cosine", "--total_training_steps=4", "--test_freq=-1")
+    assert proc.returncode != 0
+    assert "total_training_steps" in proc.stderr and "cosine" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_vllm_resume_samples_what_the_uninterrupted_run_samples(tmp_path):
+    """The vLLM engine's per-request seed counter is in the checkpoint: 1 step, stop, resume to 2
+    gives the uninterrupted 2-step run's numbers (same machine, same layout: exactly)."""
+    vllm = ["--rollout_engine=vllm", "--test_freq=-1", "--val_before_train=false", "--save_freq=1"]
+    proc = run(tmp_path, tmp_path / "full", *vllm, "--total_training_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for steps in (1, 2):
+        proc = run(tmp_path, tmp_path / "part", *vllm, f"--total_training_steps={steps}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout
+    assert comparable(records(tmp_path / "part")) == comparable(records(tmp_path / "full"))

@@ -1,0 +1,53 @@
+"""The models as the trainer loads and reads them: dropout off in every model, and a reward model
+scored where it was trained to score (the last real token), in process on the committed demo model."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_ppo
+from train_ppo import pack_batch, reward_model_scores
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_MODEL = ROOT / "examples" / "demo_model"
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_every_model_is_in_eval_mode_dropout_off(tmp_path, lora_rank):
+    """PEFT's get_peft_model leaves a model in training mode (dropout on): the trainer must not rely
+    on how a loader leaves it."""
+    from transformers import AutoModelForSequenceClassification
+    rm = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_pretrained(DEMO_MODEL, num_labels=1).save_pretrained(rm)
+    cfg = train_ppo.Config(lora_rank=lora_rank, reward_model_path=str(rm))
+    tokenizer, actor, critic, ref, reward_model = train_ppo.load_models(cfg)
+    for name, model in (("actor", actor), ("critic", critic), ("ref", ref), ("reward", reward_model)):
+        if model is None:
+            continue
+        training = [n for n, m in model.named_modules() if m.training]
+        assert not training, f"{name}: modules in training mode: {training[:5]}"
+
+
+def test_reward_model_reads_the_last_real_token_when_pad_is_eos(tmp_path):
+    """With pad == EOS, Hugging Face's sequence classifier finds the last token through pad_token_id
+    and reads the one before the EOS. The trainer reads the EOS itself: the score of the sequence
+    alone, unpadded, as the model was trained."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    tok.pad_token = tok.eos_token
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(DEMO_MODEL, num_labels=1).eval()
+    model.config.pad_token_id = tok.pad_token_id
+    eos = tok.eos_token_id
+    prompts = [tok("12+34=", add_special_tokens=False)["input_ids"], tok("5+6=", add_special_tokens=False)["input_ids"]]
+    responses = [tok("46", add_special_tokens=False)["input_ids"] + [eos], tok("1", add_special_tokens=False)["input_ids"] + [eos]]
+    batch = pack_batch(prompts, responses, tok.pad_token_id)
+    with torch.no_grad():
+        got = reward_model_scores(model, batch)
+        alone = []
+        model.config.pad_token_id = None   # a single unpadded sequence: Hugging Face reads its last token
+        for p, r in zip(prompts, responses):
+            alone.append(model(input_ids=torch.tensor([p + r])).logits[0, 0].item())
+        before_eos = [model(input_ids=torch.tensor([p + r[:-1]])).logits[0, 0].item() for p, r in zip(prompts, responses)]
+    assert got.tolist() == pytest.approx(alone, abs=1e-4)
+    assert all(abs(a - b) > 1e-4 for a, b in zip(alone, before_eos))   # the two readings do differ
