@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from errors import UserError
+from errors import UserError, first_line
 
 # keys that may change between a checkpoint and its resumption; any other difference is refused
 RESUMABLE_KEYS = {"total_training_steps", "save_freq", "save_total_limit", "resume", "test_freq", "val_before_train",
@@ -146,9 +146,7 @@ def safe_load(file: Path, **kwargs):
     try:
         return torch.load(file, weights_only=True, **kwargs)
     except pickle.UnpicklingError as e:
-        reason = str(e).strip().splitlines()
-        raise UserError(f"checkpoint file {file} holds more than tensors and plain data, refused (a checkpoint is "
-                        f"data, not code): {reason[1] if len(reason) > 1 else reason[0]}") from None
+        raise _refused(file, e) from None
 
 
 @contextmanager
@@ -165,14 +163,20 @@ def _weights_only_deepspeed_load(where: Path):
         with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
             yield
     except pickle.UnpicklingError as e:
-        reason = str(e).strip().splitlines()
-        raise UserError(f"checkpoint {where} holds more than tensors and plain data, refused (a checkpoint is data, "
-                        f"not code): {reason[1] if len(reason) > 1 else reason[0]}") from None
+        raise _refused(where, e) from None
     finally:
         if saved is None:
             os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
         else:
             os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = saved
+
+
+def _refused(where: Path, error: Exception) -> UserError:
+    # torch's message: a header line, then the offending global (e.g. "Unsupported global: GLOBAL io.open")
+    lines = str(error).strip().splitlines()
+    detail = lines[1].strip() if len(lines) > 1 else first_line(error)
+    return UserError(f"checkpoint file {where} holds more than tensors and plain data, refused (a checkpoint is data, "
+                     f"not code): {detail}")
 
 
 def _rng_state() -> dict:

@@ -33,7 +33,7 @@ import torch
 
 import kl
 from checkpoints import StopSignal, check_resumable, find_checkpoint, load_checkpoint, read_state, save_checkpoint
-from errors import UserError
+from errors import UserError, first_line
 from rollout import SamplingParams
 
 HERE = Path(__file__).resolve().parent
@@ -559,8 +559,7 @@ def read_table(path: str):
     except UserError:
         raise
     except Exception as e:   # pyarrow and pandas raise many types for a damaged file
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}: cannot be read as {kind}: {reason}") from None
+        raise UserError(f"{path}: cannot be read as {kind}: {first_line(e)}") from None
     if len(frame) == 0:
         raise UserError(f"{path}: the file has no rows")
     return frame
@@ -830,9 +829,9 @@ def load_models(cfg: Config):
                             f"scores from; use a decoder model's ForSequenceClassification class")
         reward_model.config.pad_token_id = tokenizer.pad_token_id
         reward_model.requires_grad_(False)
-    # dropout off in every model, trained ones too (as verl and TRL do): PPO's ratio compares two
-    # forward passes of the same weights, which dropout would make differ; from_pretrained's mode
-    # is not relied on
+    # dropout off in every model, trained ones too (TRL's PPO does the same): PPO's ratio compares
+    # two forward passes of the same weights, which dropout would make differ. Not left to the
+    # loaders: PEFT's get_peft_model returns a model in training mode
     for model in (actor, critic, ref, reward_model):
         if model is not None:
             model.eval()
@@ -844,8 +843,7 @@ def _load(key: str, path: str, loader, what: str = "model", **kwargs):
     try:
         return loader(path, **kwargs)
     except Exception as e:   # transformers raises OSError, ValueError, KeyError, ... for a bad directory
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{key}: cannot load a {what} from {path}: {reason}") from None
+        raise UserError(f"{key}: cannot load a {what} from {path}: {first_line(e)}") from None
 
 
 def budget(cfg: Config) -> int:
@@ -1398,6 +1396,17 @@ def check_deepspeed_config(conf: dict, cfg: Config) -> None:
     if "optimizer" in conf or "scheduler" in conf:
         raise UserError("DeepSpeed config has an optimizer/scheduler block: remove it; the script builds AdamW "
                         "from actor_lr / critic_lr and its own schedule")
+    # a NaN/inf gradient must skip the step on every rank before the weights change: DeepSpeed 0.19
+    # does so under ZeRO 1-3 (its overflow check runs on the reduced gradients), but not at stage 0
+    # in fp32, nor in bf16 with check_grad_overflow off
+    stage = conf.get("zero_optimization", {}).get("stage", 0)
+    if stage == 0:
+        raise UserError("DeepSpeed config has zero_optimization.stage=0, under which DeepSpeed applies an update whose "
+                        "gradients are NaN/inf: use stage 1, 2 or 3, or launch without DeepSpeed "
+                        "(accelerate_configs/single.yaml or plain multi-process)")
+    if conf.get("bf16", {}).get("check_grad_overflow", True) is False:
+        raise UserError("DeepSpeed config sets bf16.check_grad_overflow=false, under which DeepSpeed applies an update "
+                        "whose gradients are NaN/inf: remove the key")
     for mp in ("fp16", "bf16"):
         enabled = conf.get(mp, {}).get("enabled", "auto")
         wanted = cfg.dtype == "bf16" if mp == "bf16" else False

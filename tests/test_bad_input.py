@@ -125,3 +125,17 @@ def test_unloadable_model_is_one_line_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(line) == 1 and "model_path" in line[0] and str(broken) in line[0]
+
+
+@pytest.mark.parametrize("conf, named", [
+    ({"zero_optimization": {"stage": 0}}, "stage=0"),
+    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto", "check_grad_overflow": False}},
+     "check_grad_overflow"),
+])
+def test_deepspeed_settings_that_would_apply_a_nan_update_are_refused(conf, named):
+    """DeepSpeed 0.19 skips a step whose gradients are NaN/inf under ZeRO 1-3, but applies it at
+    stage 0 (fp32) or with bf16.check_grad_overflow off: such a config stops the run at start."""
+    text = message(lambda: train_ppo.check_deepspeed_config(conf, train_ppo.Config()))
+    assert named in text
+    train_ppo.check_deepspeed_config({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}},
+                                     train_ppo.Config())   # the repository's configs pass
