@@ -99,6 +99,10 @@ class Config:
     rollout_ignore_eos: bool = opt(False, "keep sampling past EOS (fixed-length responses, for benchmarks)")
     rollout_micro_batch_size: int = opt(256, "sequences per generate() call (hf engine)")
     rollout_sleep: bool = opt(True, "vllm: free the engine's weights and KV cache while the models train (GPU)")
+    rollout_sleep_level: int = opt(1, "vllm on GPU: 1 = weights to host memory while asleep; 2 = weights dropped "
+                                      "(every weight is sent after each update anyway; vLLM has had bugs with 2)")
+    rollout_enforce_eager: bool = opt(False, "vllm on GPU: no CUDA graphs (slower decoding, faster start); CPU is "
+                                             "always eager")
     rollout_gpu_memory_utilization: float = opt(0.5, "vllm on GPU: share of GPU memory the engine may take")
     rollout_kv_cache_gb: float = opt(1.0, "vllm on CPU: KV cache size in GiB")
     rollout_sync_bucket_mb: float = opt(256.0, "vllm: weight sync gathers ZeRO-3 shards this many MiB at a time")
@@ -124,6 +128,14 @@ class Config:
     ppo_micro_batch_size_per_device: int = opt(128, "sequences per forward/backward on one device")
     use_dynamic_bsz: bool = opt(False, "form micro-batches by token budget instead of a sequence count")
     ppo_max_token_len_per_device: int = opt(16384, "use_dynamic_bsz: prompt+response tokens per micro-batch")
+    critic_ppo_mini_batch_size: typing.Optional[int] = opt(None, "critic: prompts per optimizer step; None = ppo_mini_batch_size")
+    critic_ppo_micro_batch_size_per_device: typing.Optional[int] = opt(
+        None, "critic: sequences per forward/backward on one device; None = ppo_micro_batch_size_per_device")
+    critic_ppo_epochs: typing.Optional[int] = opt(None, "critic: passes over each iteration's rollouts; None = ppo_epochs")
+    critic_ppo_max_token_len_per_device: typing.Optional[int] = opt(
+        None, "critic, use_dynamic_bsz: tokens per micro-batch; None = ppo_max_token_len_per_device")
+    gradient_checkpointing: bool = opt(False, "recompute the actor's and critic's activations in the backward pass "
+                                              "instead of keeping them: less memory, about a third more compute")
     ref_offload: bool = opt(False, "DeepSpeed ZeRO-3: keep the reference model's parameters in CPU memory")
     reward_offload: bool = opt(False, "DeepSpeed ZeRO-3: keep the reward model's parameters in CPU memory")
     # advantages and rewards
@@ -265,9 +277,6 @@ def validate_config(cfg: Config) -> None:
     need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     need(0 <= cfg.overlong_buffer_len < cfg.max_response_length,
          f"overlong_buffer_len must be in [0, max_response_length={cfg.max_response_length}), got {cfg.overlong_buffer_len}")
-    need(not cfg.use_dynamic_bsz or cfg.ppo_max_token_len_per_device >= cfg.max_prompt_length + cfg.max_response_length,
-         f"ppo_max_token_len_per_device={cfg.ppo_max_token_len_per_device} must hold one whole sequence "
-         f"(max_prompt_length + max_response_length = {cfg.max_prompt_length + cfg.max_response_length})")
     need(0 < cfg.rollback_lr_factor <= 1, f"rollback_lr_factor must be in (0, 1], got {cfg.rollback_lr_factor}")
     need(cfg.lora_rank >= 0, f"lora_rank must be >= 0, got {cfg.lora_rank}")
     need(not (cfg.lora_rank and cfg.ref_model_path),
@@ -286,13 +295,22 @@ def validate_config(cfg: Config) -> None:
         need(getattr(cfg, key) >= 0, f"{key} must be >= 0, got {getattr(cfg, key)}")
     for key in ("gamma", "lam"):
         need(0 <= getattr(cfg, key) <= 1, f"{key} must be in [0, 1], got {getattr(cfg, key)}")
+    need(cfg.rollout_sleep_level in (1, 2), f"rollout_sleep_level must be 1 or 2, got {cfg.rollout_sleep_level}")
     need(0 < cfg.rollout_gpu_memory_utilization <= 1,
          f"rollout_gpu_memory_utilization must be in (0, 1], got {cfg.rollout_gpu_memory_utilization}")
     for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "cliprange_value"):
         value = getattr(cfg, key)
         need(value is None or value > 0, f"{key} must be > 0, got {value}")
-    need(cfg.train_batch_size % cfg.ppo_mini_batch_size == 0,
-         f"train_batch_size ({cfg.train_batch_size}) must be a multiple of ppo_mini_batch_size ({cfg.ppo_mini_batch_size})")
+    for key in ("critic_ppo_mini_batch_size", "critic_ppo_micro_batch_size_per_device", "critic_ppo_epochs",
+                "critic_ppo_max_token_len_per_device"):
+        need(getattr(cfg, key) is None or getattr(cfg, key) > 0, f"{key} must be > 0 (or None), got {getattr(cfg, key)}")
+    for role in ("actor", "critic"):
+        sched, key = schedule(cfg, role), "ppo_mini_batch_size" if role == "actor" else "critic_ppo_mini_batch_size"
+        need(cfg.train_batch_size % sched.mini_batch == 0,
+             f"train_batch_size ({cfg.train_batch_size}) must be a multiple of {key} ({sched.mini_batch})")
+        need(not cfg.use_dynamic_bsz or sched.max_tokens >= cfg.max_prompt_length + cfg.max_response_length,
+             f"{role}'s token budget {sched.max_tokens} must hold one whole sequence (max_prompt_length + "
+             f"max_response_length = {cfg.max_prompt_length + cfg.max_response_length})")
     need(cfg.adv_estimator == "gae" or cfg.rollout_n > 1 or cfg.adv_estimator == "reinforce_plus_plus",
          f"adv_estimator={cfg.adv_estimator} compares samples of one prompt: set rollout_n > 1 (got {cfg.rollout_n})")
     need(cfg.reward_fn or cfg.reward_model_path, "set reward_fn ('module:function') or reward_model_path")
@@ -303,6 +321,24 @@ def validate_config(cfg: Config) -> None:
         for path in _split_files(getattr(cfg, key)):
             need(Path(path).is_file(), f"{key}: file {path} does not exist")
     need(_split_files(cfg.train_files), "train_files is empty: give at least one parquet or jsonl file")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How one trained model goes over a step's rollouts; the critic may have its own, as in verl."""
+    mini_batch: int      # prompts per optimizer step (all ranks)
+    micro_batch: int     # sequences per forward/backward on one device
+    epochs: int
+    max_tokens: int      # use_dynamic_bsz: tokens per micro-batch; 0 = by sequence count
+
+
+def schedule(cfg: Config, role: str) -> Schedule:
+    """role: actor | critic. A critic_ key left at None takes the actor's value."""
+    def own(key):
+        value = getattr(cfg, f"critic_{key}") if role == "critic" else None
+        return getattr(cfg, key) if value is None else value
+    return Schedule(own("ppo_mini_batch_size"), own("ppo_micro_batch_size_per_device"), own("ppo_epochs"),
+                    own("ppo_max_token_len_per_device") if cfg.use_dynamic_bsz else 0)
 
 
 def _split_files(files: str) -> list[str]:
@@ -699,17 +735,33 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool = False):
+def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool = False,
+                      entropy_grad: bool = False):
     """Log-prob (and entropy) of each response token under `model` -> [B, R] each.
-    Only the R positions that predict response tokens go through the LM head."""
+    Only the R positions that predict response tokens go through the LM head; past it, work goes
+    one sequence at a time, so no second [B, R, V] tensor exists. The entropy builds a graph only
+    when it is part of the loss (entropy_grad); as a metric it costs one no-grad pass."""
     R = batch["responses"].shape[1]
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 position_ids=batch["position_ids"], use_cache=False, logits_to_keep=R + 1)
-    logits = out.logits[:, :-1].float() / temperature                             # [B, R, V]
-    lse = torch.logsumexp(logits, dim=-1)                                         # [B, R]
-    logprob = logits.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1) - lse
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    logits = out.logits[:, :-1]                                                   # [B, R, V]
+    logprob = torch.stack([_token_logprobs(_scaled(row, temperature), tokens)
+                           for row, tokens in zip(logits, batch["responses"])])  # [B, R]
+    entropy = None
+    if with_entropy:
+        with nullcontext() if entropy_grad else torch.no_grad():
+            entropy = torch.stack([entropy_from_logits(_scaled(row, temperature)) for row in logits])  # [B, R]
     return logprob, entropy
+
+
+def _token_logprobs(logits, tokens):
+    # gather minus logsumexp (verl's form): no [R, V] log-softmax output is made
+    return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)   # [R]
+
+
+def _scaled(logits, temperature: float):
+    logits = logits.float()                                                       # a no-op in fp32
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def critic_values(critic, batch: dict):
@@ -762,8 +814,8 @@ def mini_batches(batch: dict, size: int):
 
 
 def micro_batches(batch: dict, size: int, max_tokens: int = 0, agree=None) -> list[tuple[torch.Tensor, dict]]:
-    """-> [(row indices, micro-batch)]: slices of `size` sequences, or with max_tokens > 0 groups
-    within that token budget, each trimmed to its own longest sequence. agree(count) -> the count
+    """-> [(row indices, micro-batch)]: `size` sequences of similar length each, or with
+    max_tokens > 0 groups within that token budget, each trimmed to its own longest sequence. agree(count) -> the count
     every rank uses (the max over ranks): token budgets split each rank's sequences differently,
     and under ZeRO-3 a rank running one pass fewer than the others would hang them."""
     n = batch["input_ids"].shape[0]
@@ -772,8 +824,9 @@ def micro_batches(batch: dict, size: int, max_tokens: int = 0, agree=None) -> li
         count = len(token_budget_splits(lengths, max_tokens))
         groups = token_budget_splits(lengths, max_tokens, agree(count) if agree else count)
         parts = [torch.tensor(g) for g in groups]
-    else:
-        parts = [torch.arange(start, min(start + size, n)) for start in range(0, n, size)]
+    else:   # similar lengths together, so trimming leaves little padding
+        order = torch.argsort(batch["attention_mask"].sum(-1), stable=True)       # [n]
+        parts = [order[start:start + size] for start in range(0, n, size)]
     return [(idx, trim_padding(select(batch, idx))) for idx in parts]
 
 
@@ -835,7 +888,31 @@ def load_models(cfg: Config):
     for model in (actor, critic, ref, reward_model):
         if model is not None:
             model.eval()
+    if cfg.gradient_checkpointing:   # armed here, active only inside recompute_activations()
+        for model in (actor, critic):
+            if model is not None:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return tokenizer, actor, critic, ref, reward_model
+
+
+@contextmanager
+def recompute_activations(model, on: bool):
+    """Gradient checkpointing for the length of an update. Hugging Face checkpoints a decoder layer
+    only when that layer is in training mode, and every model here stays in eval mode (dropout
+    off), so only the layers' own flag is raised meanwhile; their submodules, dropout included,
+    stay in eval."""
+    if not on:
+        yield
+        return
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.training = False
 
 
 def _load(key: str, path: str, loader, what: str = "model", **kwargs):
@@ -844,10 +921,6 @@ def _load(key: str, path: str, loader, what: str = "model", **kwargs):
         return loader(path, **kwargs)
     except Exception as e:   # transformers raises OSError, ValueError, KeyError, ... for a bad directory
         raise UserError(f"{key}: cannot load a {what} from {path}: {first_line(e)}") from None
-
-
-def budget(cfg: Config) -> int:
-    return cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else 0
 
 
 def max_over_ranks(accelerator):
@@ -924,18 +997,20 @@ def optimizer_step(model, optim, max_norm: float, ds: bool) -> tuple[float, bool
 
 def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, ds: bool) -> dict:
     stats = Stats()
-    mini = cfg.ppo_mini_batch_size * cfg.rollout_n // accelerator.num_processes
+    sched = schedule(cfg, "actor")
+    mini = sched.mini_batch * cfg.rollout_n // accelerator.num_processes
     agree = max_over_ranks(accelerator)
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
-    for _ in range(cfg.ppo_epochs):
+    for _ in range(sched.epochs):
         for mb in mini_batches(batch, mini):
             norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
             loss_total = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0}
-            for _, micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device, budget(cfg), agree):
+            for _, micro in micro_batches(mb, sched.micro_batch, sched.max_tokens, agree):
                 m = micro["response_mask"]
                 with autocast():
-                    logprob, entropy = response_logprobs(actor, micro, cfg.temperature, with_entropy=True)
+                    logprob, entropy = response_logprobs(actor, micro, cfg.temperature, with_entropy=True,
+                                                         entropy_grad=cfg.entropy_coeff != 0)
                 pg, pg_stats = policy_loss(micro["old_logprob"], logprob, micro["advantages"], m, low, high,
                                            cfg.clip_ratio_c, cfg.loss_agg_mode, **norms)
                 loss = pg
@@ -959,13 +1034,14 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
 
 def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast, ds: bool) -> dict:
     stats = Stats()
-    mini = cfg.ppo_mini_batch_size * cfg.rollout_n // accelerator.num_processes
+    sched = schedule(cfg, "critic")
+    mini = sched.mini_batch * cfg.rollout_n // accelerator.num_processes
     agree = max_over_ranks(accelerator)
-    for _ in range(cfg.ppo_epochs):
+    for _ in range(sched.epochs):
         for mb in mini_batches(batch, mini):
             norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
             vf_total = 0.0
-            for _, micro in micro_batches(mb, cfg.ppo_micro_batch_size_per_device, budget(cfg), agree):
+            for _, micro in micro_batches(mb, sched.micro_batch, sched.max_tokens, agree):
                 with autocast():
                     vpreds = critic_values(critic, micro)
                 vf, clipfrac = value_loss(vpreds, micro["returns"], micro["values"], micro["response_mask"],
@@ -1269,6 +1345,7 @@ def make_engine(cfg: Config, actor, tokenizer, contexts, world: int, rank: int):
                               kv_cache_gb=cfg.rollout_kv_cache_gb,
                               gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
                               enable_sleep_mode=cfg.rollout_sleep, distributed=world > 1,
+                              enforce_eager=cfg.rollout_enforce_eager, sleep_level=cfg.rollout_sleep_level,
                               eos_token_id=tokenizer.eos_token_id)
         except RuntimeError as e:
             if not cfg.rollout_fallback_hf:
@@ -1346,7 +1423,6 @@ def deepspeed_plugins(cfg: Config, world: int) -> dict:
     from accelerate.utils import DeepSpeedPlugin
     base = DeepSpeedPlugin().deepspeed_config       # the launched config: a JSON file or YAML keys
     check_deepspeed_config(base, cfg)
-    micro = cfg.ppo_micro_batch_size_per_device
     roles = {"actor": ("trained", cfg.max_grad_norm, False)}
     if cfg.adv_estimator == "gae":
         roles["critic"] = ("trained", cfg.critic_max_grad_norm, False)
@@ -1359,6 +1435,7 @@ def deepspeed_plugins(cfg: Config, world: int) -> dict:
     try:
         for name, (kind, clip, offload) in roles.items():
             conf = copy.deepcopy(base)
+            micro = schedule(cfg, "critic" if name == "critic" else "actor").micro_batch
             # micro-batching is ours: one engine "step" per mini-batch, our losses pre-normalised
             conf.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1,
                         train_batch_size=micro * world, bf16={"enabled": cfg.dtype == "bf16"})
@@ -1416,8 +1493,8 @@ def check_deepspeed_config(conf: dict, cfg: Config) -> None:
 
 
 def check_world_size(cfg: Config, world: int) -> None:
-    for key in ("train_batch_size", "ppo_mini_batch_size"):
-        if getattr(cfg, key) % world:
+    for key in ("train_batch_size", "ppo_mini_batch_size", "critic_ppo_mini_batch_size"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) % world:
             raise UserError(f"{key}={getattr(cfg, key)} is not divisible by the {world} processes: change {key} "
                             f"or num_processes")
 
@@ -1698,7 +1775,8 @@ def train_step(run: Run, step: int) -> dict:
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
     with timed(times, "forward"), run.autocast():
         logprobs_of = lambda model: lambda mb: response_logprobs(model, mb, cfg.temperature)[0]   # noqa: E731
-        passes = dict(size=micro, max_tokens=budget(cfg), agree=max_over_ranks(accelerator))
+        actor_sched, critic_sched = schedule(cfg, "actor"), schedule(cfg, "critic")
+        passes = dict(size=micro, max_tokens=actor_sched.max_tokens, agree=max_over_ranks(accelerator))
         batch["old_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, **passes)      # [b, R]
         if run.ref is not None:
             batch["ref_logprob"] = forward_in_micro_batches(logprobs_of(run.ref), batch, **passes)
@@ -1706,7 +1784,9 @@ def train_step(run: Run, step: int) -> dict:
             with accelerator.unwrap_model(run.actor).disable_adapter():   # the base model is the reference
                 batch["ref_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, **passes)
         if run.critic is not None:
-            batch["values"] = forward_in_micro_batches(lambda mb: critic_values(run.critic, mb), batch, **passes)
+            batch["values"] = forward_in_micro_batches(lambda mb: critic_values(run.critic, mb), batch,
+                                                       size=critic_sched.micro_batch, max_tokens=critic_sched.max_tokens,
+                                                       agree=passes["agree"])
 
     # 4 rewards and advantages over the whole batch (timed with the forward passes: it is tiny)
     with timed(times, "forward"):
@@ -1716,11 +1796,13 @@ def train_step(run: Run, step: int) -> dict:
     with timed(times, "update"):
         if run.critic is not None:
             critic, critic_optim, critic_sched = run.trained["critic"]
-            metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, run.autocast, run.ds))
+            with recompute_activations(critic, cfg.gradient_checkpointing):
+                metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, run.autocast, run.ds))
             critic_sched.step()
         if step >= cfg.critic_warmup:   # verl: update the actor once global_steps >= critic_warmup
             actor, actor_optim, actor_sched = run.trained["actor"]
-            metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, run.autocast, run.ds))
+            with recompute_activations(actor, cfg.gradient_checkpointing):
+                metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, run.autocast, run.ds))
             metrics["actor/lr"] = actor_sched.get_last_lr()[0]
             actor_sched.step()
 

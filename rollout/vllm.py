@@ -26,12 +26,16 @@ _FIX_CONFIG = ("the engine could not start; what to change: rollout_kv_cache_gb 
 class VLLMEngine:
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 2048,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, enable_sleep_mode: bool = True,
-                 distributed: bool = False, enforce_eager: bool = True,
+                 distributed: bool = False, enforce_eager: bool = False, sleep_level: int = 1,
                  eos_token_id: int | list[int] | None = None):
         """seed: give each rank its own (e.g. run seed + rank); every sampled sequence gets its own
         vLLM seed derived from it and a counter, so a run's rollouts are reproducible.
         kv_cache_gb bounds the KV cache on CPU; gpu_memory_utilization and enable_sleep_mode
         apply on GPU only. distributed: one engine per process of an accelerate/torchrun launch.
+        enforce_eager: no CUDA graphs (on CPU the engine is always eager). sleep_level: 1 keeps the
+        weights in host memory while asleep; 2 drops them, for callers that send every weight
+        after waking anyway (vLLM has had silent-corruption bugs with level 2: the trainer's
+        rollout/logprob_diff check catches a sampler that no longer matches).
         eos_token_id: where responses stop (None: the tokenizer's EOS)."""
         # In-process engine: load_weights reaches the model runner directly, and a weight
         # iterator can be consumed lazily (nothing is pickled to another process).
@@ -52,6 +56,9 @@ class VLLMEngine:
             engine_args["distributed_executor_backend"] = "external_launcher"
         # On CPU sleep is a vLLM no-op that still pauses and resumes the scheduler: call it anyway.
         self._can_sleep = self._on_cpu or enable_sleep_mode
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        self._sleep_level = sleep_level
 
         # Creating the engine reseeds the global RNGs and, on CPU, replaces torch.set_num_threads
         # with a no-op for the whole process: undo both, the trainer owns them. (It also
@@ -63,7 +70,7 @@ class VLLMEngine:
         try:
             self._llm = LLM(
                 model=str(model_path), dtype={"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype), seed=seed,
-                max_model_len=max_model_len, enforce_eager=enforce_eager,
+                max_model_len=max_model_len, enforce_eager=enforce_eager or self._on_cpu,
                 # logprobs after temperature (and top-k/top-p): those of the distribution sampled from
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",   # sampling comes only from SamplingParams, not the model's defaults
@@ -155,9 +162,10 @@ class VLLMEngine:
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
 
     def sleep(self) -> None:
-        """Level 1: weights to host memory, KV cache dropped (GPU). Call after generating."""
+        """Level 1: weights to host memory, KV cache dropped (GPU); level 2 drops the weights too.
+        Call after generating."""
         if self._can_sleep and not self._sleeping:
-            self._llm.sleep(level=1)
+            self._llm.sleep(level=self._sleep_level)
             self._sleeping = {"weights", "kv_cache"}
 
     def wake_up(self, tags: list[str] | None = None) -> None:

@@ -138,9 +138,10 @@ MAPPING = {
     "critic.optim.lr_warmup_steps": ("lr_warmup_steps", _warmup_steps),
     "critic.grad_clip": "critic_max_grad_norm",
     "critic.cliprange_value": "cliprange_value",
-    "critic.ppo_mini_batch_size": "ppo_mini_batch_size",
-    "critic.ppo_micro_batch_size_per_gpu": "ppo_micro_batch_size_per_device",
-    "critic.ppo_epochs": "ppo_epochs",
+    "critic.ppo_mini_batch_size": "critic_ppo_mini_batch_size",            # the critic's own schedule
+    "critic.ppo_micro_batch_size_per_gpu": "critic_ppo_micro_batch_size_per_device",
+    "critic.ppo_epochs": "critic_ppo_epochs",
+    "critic.ppo_max_token_len_per_gpu": "critic_ppo_max_token_len_per_device",
     "critic.loss_agg_mode": "loss_agg_mode",
     "critic.use_dynamic_bsz": "use_dynamic_bsz",
     "critic.rollout_n": "rollout_n",

@@ -201,3 +201,17 @@ def test_critic_warmup_holds_the_actor_back_as_verl_counts(tmp_path):
     first, second = read_metrics(out)
     assert "critic/vf_loss" in first and "actor/pg_loss" not in first
     assert "actor/pg_loss" in second
+
+
+def test_the_critic_trains_on_its_own_schedule(tmp_path):
+    """critic_ppo_epochs / critic_ppo_mini_batch_size (verl's critic.ppo_*): the critic's update
+    changes while the actor's, which runs on values computed before any update, does not."""
+    steps = ["--total_training_steps=1", "--test_freq=-1", "--val_before_train=false", *FAST]
+    same = run(tmp_path, f"--output_dir={tmp_path}/same", *steps)
+    own = run(tmp_path, f"--output_dir={tmp_path}/own", "--critic_ppo_epochs=1", "--critic_ppo_mini_batch_size=16",
+              "--critic_ppo_micro_batch_size_per_device=16", *steps)
+    assert same.returncode == 0 and own.returncode == 0, same.stderr[-2000:] + own.stderr[-2000:]
+    a, b = read_metrics(tmp_path / "same")[0], read_metrics(tmp_path / "own")[0]
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "critic/explained_var"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert a["critic/vf_loss"] != pytest.approx(b["critic/vf_loss"], rel=1e-3)

@@ -51,3 +51,32 @@ def test_reward_model_reads_the_last_real_token_when_pad_is_eos(tmp_path):
         before_eos = [model(input_ids=torch.tensor([p + r[:-1]])).logits[0, 0].item() for p, r in zip(prompts, responses)]
     assert got.tolist() == pytest.approx(alone, abs=1e-4)
     assert all(abs(a - b) > 1e-4 for a, b in zip(alone, before_eos))   # the two readings do differ
+
+
+def test_gradient_checkpointing_keeps_fewer_activations_in_the_update_only_with_dropout_off():
+    """gradient_checkpointing: inside recompute_activations the forward pass keeps far fewer
+    tensors for the backward (the decoder layers' activations are recomputed instead) and the
+    gradients are the same; outside it (the no-grad passes, generation) nothing changes, and
+    dropout stays off throughout."""
+    from train_ppo import Config, load_models, recompute_activations, response_logprobs
+    batch = pack_batch([[5, 6, 7], [8, 9]], [[4, 5], [6, 7, 8]], pad_id=0)
+    kept, grads = {}, {}
+    for on in (False, True):
+        torch.manual_seed(0)
+        _, actor, *_ = load_models(Config(gradient_checkpointing=on, adv_estimator="grpo", use_kl_in_reward=False))
+        sizes = []
+
+        def keep(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+        with recompute_activations(actor, on):
+            assert not any(m.training for m in actor.model.layers[0].modules() if m is not actor.model.layers[0])
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                logprob, _ = response_logprobs(actor, batch, 1.0)
+            logprob.sum().backward()
+        assert not any(m.training for m in actor.modules())
+        kept[on] = sum(sizes)
+        grads[on] = [p.grad.clone() for p in actor.parameters()]
+    assert kept[True] < 0.7 * kept[False], kept
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

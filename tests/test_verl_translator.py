@@ -65,6 +65,7 @@ critic:
     path: {model}
   optim:
     lr: 1e-5
+    weight_decay: 0.0
   ppo_micro_batch_size_per_gpu: 8
   ppo_epochs: ${{oc.select:actor_rollout_ref.actor.ppo_epochs,1}}
   cliprange_value: 0.25
@@ -138,6 +139,9 @@ def test_mapped_values(workspace, capsys):
     assert cfg["train_batch_size"] == 32
     assert (cfg["actor_lr"], cfg["critic_lr"], cfg["weight_decay"]) == (1e-6, 1e-5, 0.01)
     assert (cfg["ppo_mini_batch_size"], cfg["ppo_micro_batch_size_per_device"], cfg["ppo_epochs"]) == (16, 4, 4)
+    # the critic's own schedule (its epochs interpolate the actor's)
+    assert (cfg["critic_ppo_micro_batch_size_per_device"], cfg["critic_ppo_epochs"]) == (8, 4)
+    assert "critic_ppo_mini_batch_size" not in cfg
     assert (cfg["clip_ratio"], cfg["clip_ratio_c"], cfg["entropy_coeff"]) == (0.2, 3.0, 0.0)
     assert "clip_ratio_high" not in cfg
     assert (cfg["use_kl_loss"], cfg["kl_loss_coef"], cfg["kl_loss_type"]) == (True, 0.001, "low_var_kl")
@@ -162,12 +166,12 @@ def test_unmapped_keys_are_listed_with_their_values(workspace, capsys):
                  "actor_rollout_ref.rollout.tensor_model_parallel_size = 2",
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 16",
                  "actor_rollout_ref.rollout.val_kwargs.temperature = 0.6",
-                 "critic.ppo_micro_batch_size_per_gpu = 8",     # conflicts with the actor's 4
+                 "critic.optim.weight_decay = 0.0",             # conflicts with the actor's 0.01
                  "trainer.logger = [console, wandb]",
                  "trainer.n_gpus_per_node = 8",
                  "data.some_new_knob = 7"]:
         assert line in not_carried, line
-    assert "conflicts with actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu" in not_carried
+    assert "conflicts with actor_rollout_ref.actor.optim.weight_decay" in not_carried
     assert "clip_ratio_high" not in err
     # the same list stays in the output file, as comments
     text = out.read_text()
