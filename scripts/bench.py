@@ -1,0 +1,264 @@
+"""W1 and W3 (../shared/benchmarks.md): train_ppo.py against TRL 1.12.0's PPOTrainer, same workload, one run.
+
+    python scripts/bench.py                          # W1 and W3, 3 repeats each (about 20 min on an idle 2-core machine)
+    python scripts/bench.py --workloads w1 --repeats 1 --iterations 3     # a quick check
+
+What it does, in order:
+  1. builds the assets if missing: scripts/make_w1.py -> runs/w1_assets, scripts/make_w3.py -> runs/w3_assets;
+  2. makes the peer's virtual environment if missing (--peer_venv, default runs/trl_peer_venv):
+     `python -m venv --system-site-packages`, then `pip install trl==1.12.0 --no-deps` into it (its other
+     requirements, accelerate, datasets, transformers, jinja2 and packaging, come from this Python's
+     packages). The project's own environment and requirements are not touched;
+  3. measures the import baseline of each side: the peak RSS of a process that only imports what that
+     side's run imports (train_ppo with the stack it imports lazily: transformers, accelerate, mlflow,
+     pandas, ...; trl.experimental.ppo with datasets, transformers, ... in the venv), lowest of 2 tries;
+  4. per workload, alternates `--repeats` times: ours (train_ppo.py --config configs/<w>.yaml), then the
+     peer (scripts/bench_trl_peer.py, reading the config.yaml ours wrote, so both run the same values),
+     each as its own process, one at a time; the peak RSS of each is its rusage from wait4;
+  5. prints per side: the median iteration time over iterations 2..N (pooled over repeats), the median of
+     each phase, the peak RSS (median over repeats) and the import baseline, then ours/peer ratios; also
+     the mean reward and the last iteration's per-token KL of each side, and a warning when other
+     processes used the CPU during a run (measured from /proc/stat: such timings are meaningless).
+Everything goes under --out (default runs/bench): per run its log, metrics.jsonl / iterations.jsonl,
+and results.json with every number printed.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_TRL = "1.12.0"
+WORKLOADS = {   # name: (config, asset builder, asset dir, default iterations)
+    "w1": ("configs/w1.yaml", "scripts/make_w1.py", "runs/w1_assets", 10),
+    "w3": ("configs/w3.yaml", "scripts/make_w3.py", "runs/w3_assets", 6),
+}
+OURS_PHASES = ("gen", "score", "forward", "update", "sync", "log")
+PEER_PHASES = ("gen", "score", "forward", "update", "other")
+# What each side's process imports in a single-process run (train_ppo.py imports most of its stack lazily).
+_MODELS = ("from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer; "
+           "import transformers.models.qwen2.modeling_qwen2; ")
+OURS_IMPORTS = "import train_ppo, yaml, pandas, mlflow, tqdm, accelerate; " + _MODELS + "import rollout.hf"
+PEER_IMPORTS = ("import torch, yaml, pandas, datasets, accelerate; " + _MODELS +
+                "from trl.experimental.ppo import PPOConfig, PPOTrainer")
+BUSY_WARN_CORES = 0.2   # other processes' CPU use during a run (cores, averaged) above which numbers are suspect
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_measured(cmd: list[str], log_path: Path, env: dict | None = None, check: bool = True) -> dict:
+    """Run cmd in the repository root, output to log_path; its wall time and peak RSS (wait4's rusage)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    busy_before = busy_cpu_s()
+    start = time.perf_counter()
+    with log_path.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - start
+    own_cpu = usage.ru_utime + usage.ru_stime
+    result = {"rc": proc.returncode, "wall_s": wall, "cpu_s": own_cpu,
+              "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9,    # Linux: ru_maxrss in KiB
+              # CPU the rest of the machine used meanwhile, in cores: other work skews the timings
+              "other_busy_cores": max(0.0, busy_cpu_s() - busy_before - own_cpu) / wall if wall else 0.0}
+    if check and proc.returncode != 0:
+        tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-30:])
+        raise SystemExit(f"bench: {' '.join(cmd[:3])} ... failed (exit {proc.returncode}), log {log_path}:\n{tail}")
+    return result
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat), all cores."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")   # user..steal, no guest (counted in user)
+
+
+def ensure_assets(names: list[str]) -> None:
+    for name in names:
+        _, builder, assets, _ = WORKLOADS[name]
+        needed = [ROOT / assets / p for p in ("policy/config.json", "reward/config.json", "prompts.parquet")]
+        if all(p.exists() for p in needed):
+            log(f"{name}: assets in {assets}")
+            continue
+        log(f"{name}: building assets with {builder}")
+        subprocess.run([sys.executable, builder, "--out", assets], cwd=ROOT, check=True)
+
+
+def ensure_peer_venv(venv: Path) -> Path:
+    """A venv on top of this Python's packages with trl==1.12.0 installed into it; its python."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        log(f"peer: creating {venv} (--system-site-packages)")
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    probe = [str(python), "-c", "import trl; print(trl.__version__)"]
+    have = subprocess.run(probe, capture_output=True, text=True).stdout.strip()
+    if have != PEER_TRL:
+        log(f"peer: installing trl=={PEER_TRL} into {venv} (found {have or 'none'})")
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                        f"trl=={PEER_TRL}", "--no-deps"], check=True)
+    check = subprocess.run([str(python), "-c", PEER_IMPORTS + "; import trl; print(trl.__version__)"],
+                           capture_output=True, text=True, cwd=ROOT)
+    if check.returncode != 0 or check.stdout.strip().splitlines()[-1:] != [PEER_TRL]:
+        raise SystemExit(f"bench: the peer venv {venv} cannot import TRL {PEER_TRL}'s PPO trainer:\n"
+                         f"{check.stderr[-3000:]}")
+    log(f"peer: trl {PEER_TRL} ready in {venv}")
+    return python
+
+
+def import_baseline(python: str, code: str, path: Path, repeats: int = 2) -> float:
+    """Peak RSS (GB) of a process that only imports; the lowest of a few tries (imports do not vary)."""
+    return min(run_measured([python, "-c", code], path.with_name(f"{path.name}_{i}.log"))["peak_rss_gb"]
+               for i in range(repeats))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def run_ours(name: str, rep: int, iterations: int, out: Path, env: dict) -> dict:
+    config = WORKLOADS[name][0]
+    run_dir = out / name / f"ours_{rep}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "train_ppo.py", "--config", config, f"--output_dir={run_dir}",
+           f"--total_training_steps={iterations}", "--resume=never", "--save_freq=-1",
+           f"--mlflow_tracking_uri=sqlite:///{out / 'mlflow.db'}", "--mlflow_experiment=bench",
+           f"--run_name={name}_ours_{rep}"]
+    result = run_measured(cmd, out / name / f"ours_{rep}.log", env)
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time/step_s" in r]
+    result["iterations"] = [{k: v for k, v in r.items() if k.startswith("time/") or k in
+                             ("step", "reward/score_mean", "kl/mean")} for r in rows]
+    result["config"] = str(run_dir / "config.yaml")
+    return result
+
+
+def run_peer(name: str, rep: int, iterations: int, out: Path, python: str, config: str, env: dict) -> dict:
+    run_dir = out / name / f"peer_{rep}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [python, "scripts/bench_trl_peer.py", "--config", config, "--iterations", str(iterations),
+           "--out", str(run_dir)]
+    result = run_measured(cmd, out / name / f"peer_{rep}.log", env)
+    result["iterations"] = read_jsonl(run_dir / "iterations.jsonl")
+    result["checks"] = json.loads((run_dir / "summary.json").read_text())
+    return result
+
+
+def summarize(runs: list[dict], phases: tuple, baseline: float) -> dict:
+    """Iterations 2..N of every repeat pooled: median step time and per-phase medians; peak RSS median."""
+    later = [it for r in runs for it in r["iterations"][1:]]
+    summary = {"step_s": median([it["time/step_s"] for it in later]),
+               "first_step_s": median([r["iterations"][0]["time/step_s"] for r in runs if r["iterations"]]),
+               "phases": {p: median([it.get(f"time/{p}_s", 0.0) for it in later]) for p in phases},
+               "peak_rss_gb": median([r["peak_rss_gb"] for r in runs]),
+               "import_rss_gb": baseline, "wall_s": median([r["wall_s"] for r in runs]),
+               "n_iterations": len(later), "other_busy_cores": max(r["other_busy_cores"] for r in runs)}
+    summary["score_mean"] = statistics.fmean([it.get("reward/score_mean", float("nan")) for r in runs
+                                              for it in r["iterations"]])
+    summary["kl_last"] = median([r["iterations"][-1].get("kl/mean", float("nan")) for r in runs if r["iterations"]])
+    summary["peak_above_import_gb"] = summary["peak_rss_gb"] - baseline
+    summary["phase_sum_s"] = median([sum(it.get(f"time/{p}_s", 0.0) for p in phases) for it in later])
+    return summary
+
+
+def report(name: str, ours: dict, peer: dict) -> None:
+    def row(label, a, b, unit, fmt="{:.3f}"):
+        a_text = "-" if a is None else fmt.format(a)
+        b_text = "-" if b is None else fmt.format(b)
+        ratio = f"{a / b:7.2f}x" if a is not None and b else ""
+        print(f"  {label:<30} {a_text:>9} {b_text:>9} {unit:<3} {ratio:>8}")
+
+    print(f"\n{name.upper()}: medians over iterations 2..N, pooled over repeats ({ours['n_iterations']} iterations "
+          f"ours, {peer['n_iterations']} TRL)")
+    print(f"  {'':<30} {'ours':>9} {'TRL 1.12':>9} {'':<3} {'ours/TRL':>8}")
+    row("iteration time", ours["step_s"], peer["step_s"], "s")
+    for phase in ("gen", "score", "forward", "update"):
+        row(f"  {phase}", ours["phases"][phase], peer["phases"][phase], "s")
+    row("  sync", ours["phases"]["sync"], None, "s")
+    row("  log", ours["phases"]["log"], None, "s")
+    row("  other (TRL: data, GAE, gc)", None, peer["phases"]["other"], "s")
+    print(f"  {'  phases / iteration (ours)':<30} {ours['phase_sum_s'] / ours['step_s']:>9.1%}")
+    row("first iteration", ours["first_step_s"], peer["first_step_s"], "s")
+    row("peak RSS (median of runs)", ours["peak_rss_gb"], peer["peak_rss_gb"], "GB")
+    row("import baseline RSS", ours["import_rss_gb"], peer["import_rss_gb"], "GB")
+    row("peak RSS above imports", ours["peak_above_import_gb"], peer["peak_above_import_gb"], "GB")
+    row("process wall time (median)", ours["wall_s"], peer["wall_s"], "s", "{:.1f}")
+    print(f"  {'reward, mean of iterations':<30} {ours['score_mean']:>9.4f} {peer['score_mean']:>9.4f}")
+    print(f"  {'KL per token, last iteration':<30} {ours['kl_last']:>9.4f} {peer['kl_last']:>9.4f}")
+    busy = max(ours["other_busy_cores"], peer["other_busy_cores"])
+    if busy > BUSY_WARN_CORES:
+        print(f"  WARNING: other processes used up to {busy:.2f} cores during these runs: the timings are skewed")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="w1,w3", help="comma-separated: w1, w3")
+    parser.add_argument("--repeats", type=int, default=3, help="ours/peer pairs per workload, alternating")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="PPO iterations per run (default: w1 10, w3 6); the first is reported apart")
+    parser.add_argument("--peer_venv", default="runs/trl_peer_venv", help="the TRL 1.12.0 virtual environment")
+    parser.add_argument("--out", default="runs/bench")
+    args = parser.parse_args()
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    for n in names:
+        if n not in WORKLOADS:
+            raise SystemExit(f"bench: unknown workload {n!r} (known: {', '.join(WORKLOADS)})")
+    if args.iterations is not None and args.iterations < 2:
+        raise SystemExit("bench: --iterations must be at least 2 (the first iteration is not counted)")
+    out = (ROOT / args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+
+    ensure_assets(names)
+    peer_python = str(ensure_peer_venv((ROOT / args.peer_venv).resolve()))
+    log("import baselines")
+    baselines = {"ours": import_baseline(sys.executable, OURS_IMPORTS, out / "import_ours"),
+                 "peer": import_baseline(peer_python, PEER_IMPORTS, out / "import_peer")}
+    log(f"import baseline RSS: ours {baselines['ours']:.3f} GB, peer {baselines['peer']:.3f} GB")
+
+    results = {"baselines": baselines, "workloads": {}}
+    for name in names:
+        iterations = args.iterations or WORKLOADS[name][3]
+        runs = {"ours": [], "peer": []}
+        for rep in range(1, args.repeats + 1):
+            log(f"{name} repeat {rep}/{args.repeats}: ours, {iterations} iterations")
+            ours = run_ours(name, rep, iterations, out, env)
+            runs["ours"].append(ours)
+            log(f"  ours: {median([i['time/step_s'] for i in ours['iterations'][1:]]):.2f} s/iteration, "
+                f"peak RSS {ours['peak_rss_gb']:.2f} GB, {ours['wall_s']:.0f} s in all, "
+                f"other processes {ours['other_busy_cores']:.2f} cores")
+            log(f"{name} repeat {rep}/{args.repeats}: TRL {PEER_TRL}, {iterations} iterations")
+            peer = run_peer(name, rep, iterations, out, peer_python, ours["config"], env)
+            runs["peer"].append(peer)
+            log(f"  peer: {median([i['time/step_s'] for i in peer['iterations'][1:]]):.2f} s/iteration, "
+                f"peak RSS {peer['peak_rss_gb']:.2f} GB, {peer['wall_s']:.0f} s in all, "
+                f"other processes {peer['other_busy_cores']:.2f} cores")
+            checks = peer["checks"]
+            if checks["short_responses"] or checks["eos_then_only_pad"]:
+                log(f"  WARNING: TRL's responses were not fixed-length: {checks}")
+        summary = {"ours": summarize(runs["ours"], OURS_PHASES, baselines["ours"]),
+                   "peer": summarize(runs["peer"], PEER_PHASES, baselines["peer"])}
+        results["workloads"][name] = {"iterations": iterations, "repeats": args.repeats, **summary, "runs": runs}
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    for name in names:
+        w = results["workloads"][name]
+        report(name, w["ours"], w["peer"])
+    print(f"\nall numbers: {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
