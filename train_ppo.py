@@ -108,6 +108,9 @@ class Config:
     rollout_sync_bucket_mb: float = opt(256.0, "vllm: weight sync gathers ZeRO-3 shards this many MiB at a time")
     rollout_fallback_hf: bool = opt(False, "vllm: if the engine cannot start, generate with the hf engine instead")
     rollout_max_logprob_diff: float = opt(0.0, "stop the run when rollout/logprob_diff exceeds this; 0 = never")
+    rollout_is: str = opt("off", "rollout correction, truncated importance sampling of the sampler (vLLM) against the "
+                                 "actor: off | token | sequence")
+    rollout_is_threshold: float = opt(2.0, "rollout_is: the weights' cap C in min(exp(old - sampler log-prob), C)")
     temperature: float = opt(1.0, "sampling temperature for rollouts; log-probs use the same temperature")
     top_p: float = opt(1.0, "nucleus sampling for rollouts")
     top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")
@@ -295,6 +298,8 @@ def validate_config(cfg: Config) -> None:
         need(getattr(cfg, key) >= 0, f"{key} must be >= 0, got {getattr(cfg, key)}")
     for key in ("gamma", "lam"):
         need(0 <= getattr(cfg, key) <= 1, f"{key} must be in [0, 1], got {getattr(cfg, key)}")
+    need(cfg.rollout_is in ("off", "token", "sequence"), f"rollout_is must be off, token or sequence, got {cfg.rollout_is!r}")
+    need(cfg.rollout_is_threshold > 0, f"rollout_is_threshold must be > 0, got {cfg.rollout_is_threshold}")
     need(cfg.rollout_sleep_level in (1, 2), f"rollout_sleep_level must be 1 or 2, got {cfg.rollout_sleep_level}")
     need(0 < cfg.rollout_gpu_memory_utilization <= 1,
          f"rollout_gpu_memory_utilization must be in (0, 1], got {cfg.rollout_gpu_memory_utilization}")
@@ -493,8 +498,9 @@ def agg_loss(loss_mat, mask, loss_agg_mode, num_tokens=None, num_seqs=None, seq_
 
 
 def policy_loss(old_logprob, logprob, advantages, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c,
-                loss_agg_mode, **agg):
-    """Clipped surrogate with dual-clip -> (loss, {pg_clipfrac, ppo_kl, pg_clipfrac_lower})."""
+                loss_agg_mode, is_weights=None, **agg):
+    """Clipped surrogate with dual-clip -> (loss, {pg_clipfrac, ppo_kl, pg_clipfrac_lower}).
+    is_weights [B, T]: rollout-correction weights (detached) multiplying each token's loss."""
     log_ratio = torch.clamp(logprob - old_logprob, -20.0, 20.0)                    # [B, T]
     ratio = torch.exp(log_ratio)                                                  # [B, T]
     ppo_kl = masked_mean(-log_ratio, mask)
@@ -507,8 +513,27 @@ def policy_loss(old_logprob, logprob, advantages, mask, clip_ratio_low, clip_rat
     dual = torch.minimum(loss3, clipped)
     pg_clipfrac_lower = masked_mean(((clipped > loss3) & (advantages < 0)).float(), mask)
     per_token = torch.where(advantages < 0, dual, clipped)                        # [B, T]
+    if is_weights is not None:
+        per_token = per_token * is_weights
     loss = agg_loss(per_token, mask, loss_agg_mode, **agg)
     return loss, {"pg_clipfrac": pg_clipfrac, "ppo_kl": ppo_kl, "pg_clipfrac_lower": pg_clipfrac_lower}
+
+
+def rollout_is_weights(old_logprob, sampler_logprob, mask, mode, threshold):
+    """Truncated importance sampling of the sampler against the actor (the sampler's log-probs
+    differ from the actor's: bf16, kernels, versions) -> (weights [B, T], {mean, max, clipped_frac}).
+    token: w_t = min(exp(old_t - sampler_t), C); sequence: one weight per sequence,
+    min(exp(sum_t (old_t - sampler_t)), C), on each of its tokens. No gradient flows through."""
+    with torch.no_grad():
+        log_w = (old_logprob - sampler_logprob) * mask                            # [B, T]
+        if mode == "sequence":
+            log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)                  # [B, T]
+        raw = torch.exp(log_w.clamp(max=20.0))                                    # [B, T]
+        weights = torch.clamp(raw, max=threshold) * mask                          # [B, T]
+        stats = {"weight_mean": masked_mean(weights, mask),
+                 "weight_max": torch.where(mask.bool(), weights, torch.zeros_like(weights)).max(),
+                 "clipped_frac": masked_mean((raw > threshold).float(), mask)}
+        return weights, stats
 
 
 def value_loss(vpreds, returns, values, mask, cliprange_value, loss_agg_mode, **agg):
@@ -1012,7 +1037,7 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                     logprob, entropy = response_logprobs(actor, micro, cfg.temperature, with_entropy=True,
                                                          entropy_grad=cfg.entropy_coeff != 0)
                 pg, pg_stats = policy_loss(micro["old_logprob"], logprob, micro["advantages"], m, low, high,
-                                           cfg.clip_ratio_c, cfg.loss_agg_mode, **norms)
+                                           cfg.clip_ratio_c, cfg.loss_agg_mode, micro.get("is_weights"), **norms)
                 loss = pg
                 if cfg.entropy_coeff:
                     loss = loss - cfg.entropy_coeff * agg_loss(entropy, m, cfg.loss_agg_mode, **norms)
@@ -1787,6 +1812,12 @@ def train_step(run: Run, step: int) -> dict:
             batch["values"] = forward_in_micro_batches(lambda mb: critic_values(run.critic, mb), batch,
                                                        size=critic_sched.micro_batch, max_tokens=critic_sched.max_tokens,
                                                        agree=passes["agree"])
+        # the hf engine samples with the actor itself: its log-probs are the old ones (weights 1)
+        sampler = batch["old_logprob"] if rollout.logprobs is None else sampler_logprobs(rollout.logprobs, mask)
+        is_stats = {}
+        if cfg.rollout_is != "off":
+            batch["is_weights"], is_stats = rollout_is_weights(batch["old_logprob"], sampler, mask, cfg.rollout_is,
+                                                               cfg.rollout_is_threshold)
 
     # 4 rewards and advantages over the whole batch (timed with the forward passes: it is tiny)
     with timed(times, "forward"):
@@ -1826,7 +1857,8 @@ def train_step(run: Run, step: int) -> dict:
         if cfg.skip_nonfinite_rewards:
             metrics["reward/nonfinite_frac"] = nonfinite.float().mean().item()
         if rollout.logprobs is not None:
-            metrics["rollout/logprob_diff"] = _logprob_diff(rollout.logprobs, batch)
+            metrics["rollout/logprob_diff"] = masked_mean((sampler - batch["old_logprob"]).abs(), mask).item()
+        metrics.update({f"rollout_is/{k}": v.item() for k, v in is_stats.items()})
         metrics = reduce_metrics(accelerator, {**metrics, **times})
     metrics.update(times)   # this rank's own clock, so the phases add up to its step
     metrics["time/step_s"] = time.perf_counter() - step_start
@@ -1916,13 +1948,12 @@ def is_truncated(responses: list[list[int]], eos_id: int, max_len: int) -> torch
     return torch.tensor([len(r) >= max_len and r[-1] != eos_id for r in responses])
 
 
-def _logprob_diff(sampler_logprobs: list[list[float]], batch: dict) -> float:
-    """Mean |sampler log-prob - actor log-prob| over response tokens (train/inference mismatch)."""
-    mask = batch["response_mask"]
+def sampler_logprobs(logprobs: list[list[float]], mask) -> torch.Tensor:
+    """The sampler's per-token log-probs, right-padded like the responses -> [B, R]."""
     sampler = torch.zeros_like(mask)
-    for i, lp in enumerate(sampler_logprobs):
+    for i, lp in enumerate(logprobs):
         sampler[i, :len(lp)] = torch.tensor(lp, dtype=sampler.dtype)
-    return masked_mean((sampler - batch["old_logprob"]).abs(), mask).item()
+    return sampler
 
 
 def peak_memory_gb() -> float:

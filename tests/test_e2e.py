@@ -48,8 +48,19 @@ def read_metrics(out_dir):
 def short_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("short")
     out = tmp / "out"
-    proc = run(tmp, f"--output_dir={out}", "--total_training_steps=3", "--test_freq=2", "--use_kl_loss=true", *FAST)
+    proc = run(tmp, f"--output_dir={out}", "--total_training_steps=3", "--test_freq=2", "--use_kl_loss=true",
+               "--rollout_is=token", *FAST)
     return tmp, out, proc
+
+
+def test_rollout_correction_weights_are_one_when_the_actor_samples(short_run):
+    """rollout_is with the hf engine: the sampler is the actor, so every weight is exactly 1."""
+    tmp, out, proc = short_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in read_metrics(out)[1:]:
+        assert r["rollout_is/weight_mean"] == pytest.approx(1.0, abs=1e-6)
+        assert r["rollout_is/weight_max"] == pytest.approx(1.0, abs=1e-6)
+        assert r["rollout_is/clipped_frac"] == 0.0
 
 
 def test_short_run_writes_the_metrics_contract(short_run):
@@ -142,13 +153,14 @@ def test_vllm_engine_run_keeps_sampler_and_actor_in_sync(tmp_path):
     step while the actor moves away from its start (a broken weight sync would make them drift)."""
     out = tmp_path / "out"
     proc = run(tmp_path, f"--output_dir={out}", "--rollout_engine=vllm", "--total_training_steps=3", "--test_freq=3",
-               "--rollout_max_logprob_diff=0.01", *FAST)
+               "--rollout_max_logprob_diff=0.01", "--rollout_is=sequence", *FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for r in records[1:]:
         assert r["rollout/logprob_diff"] < 1e-3
         assert r["time/sync_s"] > 0
+        assert r["rollout_is/weight_mean"] == pytest.approx(1.0, abs=1e-2)   # fp32 sampler == actor, up to rounding
     assert records[3]["kl/mean"] > 1e-4    # the actor did change, so the sync carried real updates
 
 

@@ -833,3 +833,40 @@ def test_micro_batches_by_token_budget_sum_to_the_mini_batch_loss():
     pieces = [agg_loss(mb["loss"], mb["response_mask"], "token-mean", **norms) for _, mb in micro_batches(batch, 0, 6)]
     assert len(pieces) > 1
     assert sum(pieces) == pytest.approx(whole.item())
+
+
+# --- rollout correction: truncated importance sampling of the sampler ---------------------------
+def test_rollout_is_weights_token_and_sequence_hand_worked():
+    from train_ppo import rollout_is_weights
+    old = t([[0.0, -1.0, -2.0], [-0.5, -0.5, 0.0]])
+    sampler = t([[-0.5, -1.0, -1.0], [0.0, -2.0, 5.0]])      # the last token of row 1 is padding
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    w, stats = rollout_is_weights(old, sampler, mask, "token", 2.0)
+    # exp(0.5) = 1.65, exp(0) = 1, exp(-1) = 0.37; exp(-0.5) = 0.61, exp(1.5) = 4.48 -> capped at 2
+    close(w, [[math.exp(0.5), 1.0, math.exp(-1.0)], [math.exp(-0.5), 2.0, 0.0]])
+    assert stats["clipped_frac"].item() == pytest.approx(1 / 5)
+    assert stats["weight_max"].item() == pytest.approx(2.0)
+    assert stats["weight_mean"].item() == pytest.approx((math.exp(0.5) + 1 + math.exp(-1) + math.exp(-0.5) + 2) / 5)
+    w, stats = rollout_is_weights(old, sampler, mask, "sequence", 2.0)
+    # row 0: exp(0.5 + 0 - 1) = exp(-0.5); row 1: exp(-0.5 + 1.5) = e > 2 -> 2 on every token
+    close(w, [[math.exp(-0.5)] * 3, [2.0, 2.0, 0.0]])
+    assert stats["clipped_frac"].item() == pytest.approx(2 / 5)
+
+
+def test_rollout_is_weights_scale_the_policy_loss_per_token():
+    """A mismatched sampler: each token's surrogate is multiplied by its weight, so a uniform
+    weight scales the loss and its gradient; weights of 1 change nothing."""
+    old = t([[-1.0, -0.5, -2.0]])
+    logprob = t([[-0.9, -0.6, -1.5]]).requires_grad_()
+    adv, mask = t([[1.0, -2.0, 0.5]]), t([[1, 1, 1]])
+    args = (old, logprob, adv, mask, 0.2, 0.2, 3.0, "token-mean")
+    base, _ = policy_loss(*args)
+    ones, _ = policy_loss(*args, is_weights=torch.ones(1, 3))
+    half, _ = policy_loss(*args, is_weights=torch.full((1, 3), 0.5))
+    assert ones.item() == pytest.approx(base.item())
+    assert half.item() == pytest.approx(0.5 * base.item())
+    w = t([[2.0, 0.0, 1.0]])
+    weighted, _ = policy_loss(*args, is_weights=w)
+    (g_w,) = torch.autograd.grad(weighted, logprob)
+    (g_b,) = torch.autograd.grad(base, logprob)
+    close(g_w, (g_b * w).tolist())
