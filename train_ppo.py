@@ -846,8 +846,10 @@ def micro_batches(batch: dict, size: int, max_tokens: int = 0, agree=None) -> li
     n = batch["input_ids"].shape[0]
     if max_tokens > 0:
         lengths = batch["attention_mask"].sum(-1).tolist()
-        count = len(token_budget_splits(lengths, max_tokens))
-        groups = token_budget_splits(lengths, max_tokens, agree(count) if agree else count)
+        groups = token_budget_splits(lengths, max_tokens)
+        wanted = agree(len(groups)) if agree else len(groups)
+        if wanted > len(groups):   # another rank needs more passes: split to match
+            groups = token_budget_splits(lengths, max_tokens, wanted)
         parts = [torch.tensor(g) for g in groups]
     else:   # similar lengths together, so trimming leaves little padding
         order = torch.argsort(batch["attention_mask"].sum(-1), stable=True)       # [n]
