@@ -21,7 +21,6 @@ import difflib
 import importlib
 import json
 import math
-import os
 import sys
 import time
 import typing
@@ -31,10 +30,13 @@ from pathlib import Path
 
 import torch
 
+import distributed
 import kl
 from checkpoints import StopSignal, check_resumable, find_checkpoint, load_checkpoint, read_state, save_checkpoint
+from distributed import Role, gathered_params, param_share
 from errors import UserError, first_line
 from rollout import SamplingParams
+from tracking import Tracker, run_tags
 
 HERE = Path(__file__).resolve().parent
 
@@ -1103,167 +1105,6 @@ class Stats:
         return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Tracking: metrics.jsonl (the contract) and MLflow (asynchronous, one call per step).
-# ----------------------------------------------------------------------------------------------
-class Tracker:
-    def __init__(self, cfg: Config, out_dir: Path, enabled: bool, resumed: dict | None = None):
-        """resumed: a checkpoint's trainer state. Its steps stay in metrics.jsonl (later ones are
-        dropped, to be written again) and its MLflow run is continued when the store has it."""
-        self.enabled, self.out_dir, self.run_id = enabled, out_dir, None
-        if not enabled:
-            return
-        # a tracking server that stops answering must not stall training: few, short retries
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        import mlflow
-        self.mlflow = mlflow
-        uri = cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(cfg.mlflow_experiment)
-        run_id = resumed.get("mlflow_run_id") if resumed else None
-        if run_id and _mlflow_has_run(mlflow, run_id):
-            self.run = mlflow.start_run(run_id=run_id)
-        else:
-            self.run = mlflow.start_run(run_name=cfg.run_name or out_dir.name)
-            mlflow.log_params({k: str(v) for k, v in dataclasses.asdict(cfg).items()}, synchronous=False)
-        self.run_id = self.run.info.run_id
-        mlflow.log_artifact(str(out_dir / "config.yaml"))
-        self.sender = MetricSender(mlflow.MlflowClient(), self.run_id)
-        path = out_dir / "metrics.jsonl"
-        kept = []
-        if resumed and path.exists():
-            kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            kept = [r for r in kept if r["step"] <= resumed["step"]]
-        self.history: list[dict] = []
-        self.rewind(kept, resumed["step"] if resumed else -1)
-
-    def rewind(self, records: list[dict], step: int):
-        """Keep only the records up to `step` (a resume or a rollback rewrites what follows)."""
-        if not self.enabled:
-            return
-        path = self.out_dir / "metrics.jsonl"
-        if getattr(self, "metrics_file", None):
-            self.metrics_file.close()
-        self.history = [r for r in records if r["step"] <= step]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
-        os.replace(tmp, path)   # never a truncated file, even if killed right here
-        self.metrics_file = open(path, "a")
-
-    def log(self, step: int, metrics: dict):
-        if not self.enabled:
-            return
-        record = {"step": step, **metrics}
-        self.metrics_file.write(json.dumps(record) + "\n")
-        self.metrics_file.flush()
-        self.history.append(record)
-        self.sender.put(step, {k: v for k, v in metrics.items() if math.isfinite(v)})
-
-    def log_samples(self, step: int, rows: dict):
-        if self.enabled and rows["prompt"]:
-            self._try(f"samples of step {step}", lambda: self.mlflow.log_table(
-                data=rows, artifact_file=f"samples/step_{step:06d}.json"))
-
-    def _try(self, what: str, call) -> None:
-        try:
-            call()
-        except Exception as e:   # the tracking store is a convenience; metrics.jsonl is the record
-            print(f"warning: MLflow did not take {what}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-
-    def finish(self, status: str, final_dir: Path | None):
-        if not self.enabled:
-            return
-        self.metrics_file.close()
-        if self.history:
-            curves = plot_curves(self.history, self.out_dir / "curves.png")
-            self._try("curves.png", lambda: self.mlflow.log_artifact(str(curves)))
-        if final_dir is not None:
-            self._try("the final model", lambda: self.mlflow.log_artifacts(str(final_dir), artifact_path="final"))
-        unsent = self.sender.close(timeout=60)
-        if unsent:
-            print(f"warning: MLflow never took the metrics of steps {unsent} (the tracking server was unreachable); "
-                  f"they are all in {self.out_dir / 'metrics.jsonl'}", file=sys.stderr, flush=True)
-        self._try("the end of the run", lambda: self.mlflow.end_run(status=status))
-
-
-class MetricSender:
-    """Sends each step's metrics to MLflow from a background thread, one batch call per step, so a
-    slow or unreachable tracking server never stalls training; what fails is kept and retried
-    until it goes through, so MLflow catches up when the server is back."""
-
-    def __init__(self, client, run_id: str):
-        import threading
-        self.client, self.run_id = client, run_id
-        self.pending: list[tuple[int, dict]] = []
-        self.lock, self.wake, self.closing = threading.Lock(), threading.Event(), False
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def put(self, step: int, metrics: dict):
-        with self.lock:
-            self.pending.append((step, metrics))
-        self.wake.set()
-
-    def _loop(self):
-        from mlflow.entities import Metric
-        backoff = 1.0
-        while True:
-            self.wake.wait(timeout=backoff)
-            self.wake.clear()
-            with self.lock:
-                batch = list(self.pending)
-            if not batch:
-                if self.closing:
-                    return
-                continue
-            now = int(time.time() * 1000)
-            try:
-                for step, metrics in batch:
-                    self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()],
-                                          synchronous=True)
-                    with self.lock:
-                        self.pending.remove((step, metrics))
-                backoff = 1.0
-            except Exception:
-                backoff = min(backoff * 2, 30.0)
-                time.sleep(backoff)
-
-    def close(self, timeout: float) -> list[int]:
-        """Wait up to `timeout` seconds for everything to be sent -> the steps that were not."""
-        self.closing = True
-        self.wake.set()
-        self.thread.join(timeout)
-        with self.lock:
-            return [step for step, _ in self.pending]
-
-
-def _mlflow_has_run(mlflow, run_id: str) -> bool:
-    try:
-        mlflow.MlflowClient().get_run(run_id)
-        return True
-    except mlflow.exceptions.MlflowException:
-        return False
-
-
-def plot_curves(history: list[dict], path: Path) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    keys = ["reward/score_mean", "val/accuracy", "kl/mean", "actor/entropy", "critic/vf_loss", "time/step_s"]
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
-    for ax, key in zip(axes.flat, keys):
-        points = [(r["step"], r[key]) for r in history if key in r]
-        if points:
-            ax.plot(*zip(*points), marker="." if len(points) < 30 else None)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
 @contextmanager
 def timed(times: dict, name: str):
     start = time.perf_counter()
@@ -1423,100 +1264,21 @@ def actor_weights(actor, ds: bool, bucket_mb: float):
 
 
 # ----------------------------------------------------------------------------------------------
-# Distribution: Accelerate, with one DeepSpeed plugin (engine config) per model under DeepSpeed.
+# Distribution: Accelerate, with one DeepSpeed plugin per model under DeepSpeed (distributed.py).
 # ----------------------------------------------------------------------------------------------
 def make_accelerator(cfg: Config):
-    """-> (accelerator, ds). Under `accelerate launch` with a DeepSpeed config, each model gets its
-    own plugin derived from the launched config, with the values this script owns filled in."""
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
-    # without CUDA, Accelerate would leave every rank believing it is rank 0 of 1
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    handlers = [] if torch.cuda.is_available() or world == 1 else [InitProcessGroupKwargs(backend="gloo")]
-    precision = "bf16" if cfg.dtype == "bf16" else "no"
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
-        return Accelerator(mixed_precision=precision, kwargs_handlers=handlers), False
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError as e:
-        raise UserError(f"the accelerate config asks for DeepSpeed, which cannot be imported ({e}): run ./install.sh, "
-                        "or launch with accelerate_configs/single.yaml / plain python") from None
-    plugins = deepspeed_plugins(cfg, world)
-    return Accelerator(mixed_precision=precision, deepspeed_plugins=plugins, kwargs_handlers=handlers), True
-
-
-def deepspeed_plugins(cfg: Config, world: int) -> dict:
-    import copy
-    from accelerate.utils import DeepSpeedPlugin
-    base = DeepSpeedPlugin().deepspeed_config       # the launched config: a JSON file or YAML keys
-    check_deepspeed_config(base, cfg)
-    roles = {"actor": ("trained", cfg.max_grad_norm, False)}
+    """-> (accelerator, ds): each model's role (trained or frozen, micro-batch, clipping, offload)
+    decides its DeepSpeed engine config under `accelerate launch` with DeepSpeed."""
+    roles = {"actor": Role(True, schedule(cfg, "actor").micro_batch, cfg.max_grad_norm)}
     if cfg.adv_estimator == "gae":
-        roles["critic"] = ("trained", cfg.critic_max_grad_norm, False)
+        roles["critic"] = Role(True, schedule(cfg, "critic").micro_batch, cfg.critic_max_grad_norm)
     if cfg.use_kl_in_reward or cfg.use_kl_loss:
-        roles["ref"] = ("frozen", None, cfg.ref_offload)
+        roles["ref"] = Role(False, schedule(cfg, "actor").micro_batch, offload=cfg.ref_offload)
     if cfg.reward_model_path:
-        roles["reward"] = ("frozen", None, cfg.reward_offload)
-    plugins = {}
-    saved = os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)   # YAML keys are already in `base`
-    try:
-        for name, (kind, clip, offload) in roles.items():
-            conf = copy.deepcopy(base)
-            micro = schedule(cfg, "critic" if name == "critic" else "actor").micro_batch
-            # micro-batching is ours: one engine "step" per mini-batch, our losses pre-normalised
-            conf.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1,
-                        train_batch_size=micro * world, bf16={"enabled": cfg.dtype == "bf16"})
-            conf.pop("fp16", None)
-            zero = conf.setdefault("zero_optimization", {})
-            if kind == "trained":
-                conf.update(gradient_clipping=clip, managed_gradient_accumulation=False)
-                zero["stage3_gather_16bit_weights_on_model_save"] = True
-            else:
-                conf.pop("gradient_clipping", None)
-                zero.pop("offload_optimizer", None)
-                if zero.get("stage") != 3:   # ZeRO-1/2 shard optimizer state, which a frozen model has none of
-                    conf["zero_optimization"] = zero = {"stage": 0}
-                if offload and zero.get("stage") == 3:
-                    zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-            plugins[name] = DeepSpeedPlugin(hf_ds_config=conf)
-    finally:
-        if saved is not None:
-            os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = saved
-    return plugins
-
-
-def check_deepspeed_config(conf: dict, cfg: Config) -> None:
-    """A DeepSpeed JSON may leave script-owned values as "auto" or match them; anything else is a
-    contradiction that would silently change the run, so it stops it."""
+        roles["reward"] = Role(False, schedule(cfg, "actor").micro_batch, offload=cfg.reward_offload)
     owned = {"train_micro_batch_size_per_gpu": ("ppo_micro_batch_size_per_device", cfg.ppo_micro_batch_size_per_device),
              "gradient_clipping": ("max_grad_norm", cfg.max_grad_norm)}
-    for key, (cfg_key, value) in owned.items():
-        if conf.get(key, "auto") not in ("auto", value):
-            raise UserError(f"DeepSpeed config sets {key}={conf[key]} but {cfg_key}={value}: set it to \"auto\" "
-                            f"in the JSON (the script fills it) or change {cfg_key}")
-    if conf.get("gradient_accumulation_steps", "auto") not in ("auto", 1):
-        raise UserError(f"DeepSpeed config sets gradient_accumulation_steps={conf['gradient_accumulation_steps']}: "
-                        "set it to \"auto\"; PPO mini-batches are ppo_mini_batch_size / ppo_micro_batch_size_per_device")
-    if "optimizer" in conf or "scheduler" in conf:
-        raise UserError("DeepSpeed config has an optimizer/scheduler block: remove it; the script builds AdamW "
-                        "from actor_lr / critic_lr and its own schedule")
-    # a NaN/inf gradient must skip the step on every rank before the weights change: DeepSpeed 0.19
-    # does so under ZeRO 1-3 (its overflow check runs on the reduced gradients), but not at stage 0
-    # in fp32, nor in bf16 with check_grad_overflow off
-    stage = conf.get("zero_optimization", {}).get("stage", 0)
-    if stage == 0:
-        raise UserError("DeepSpeed config has zero_optimization.stage=0, under which DeepSpeed applies an update whose "
-                        "gradients are NaN/inf: use stage 1, 2 or 3, or launch without DeepSpeed "
-                        "(accelerate_configs/single.yaml or plain multi-process)")
-    if conf.get("bf16", {}).get("check_grad_overflow", True) is False:
-        raise UserError("DeepSpeed config sets bf16.check_grad_overflow=false, under which DeepSpeed applies an update "
-                        "whose gradients are NaN/inf: remove the key")
-    for mp in ("fp16", "bf16"):
-        enabled = conf.get(mp, {}).get("enabled", "auto")
-        wanted = cfg.dtype == "bf16" if mp == "bf16" else False
-        if enabled not in ("auto", wanted):
-            raise UserError(f"DeepSpeed config sets {mp}.enabled={enabled} but dtype={cfg.dtype}: set it to \"auto\" "
-                            "or change dtype (fp32 | bf16)")
+    return distributed.make_accelerator(cfg.dtype == "bf16", roles, owned)
 
 
 def check_world_size(cfg: Config, world: int) -> None:
@@ -1524,38 +1286,6 @@ def check_world_size(cfg: Config, world: int) -> None:
         if getattr(cfg, key) is not None and getattr(cfg, key) % world:
             raise UserError(f"{key}={getattr(cfg, key)} is not divisible by the {world} processes: change {key} "
                             f"or num_processes")
-
-
-def gathered_params(engine, ds: bool):
-    """A context holding every parameter of a ZeRO-3-sharded actor on this rank for a whole
-    generation, instead of gathering layer by layer for every new token (and so no collective
-    runs inside generate: ranks that finish early cannot deadlock the others)."""
-    if not ds or engine.zero_optimization_stage() != 3:
-        return nullcontext
-
-    @contextmanager
-    def full_params():
-        import deepspeed
-        offload = engine.optimizer.parameter_offload
-        params = list(engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params):
-            # ZeRO-3's per-module hooks would fetch and release (and prefetch) during generate
-            offload._remove_module_hooks()
-            try:
-                yield
-            finally:
-                for p in params:
-                    p.ds_active_sub_modules.clear()
-                offload.setup_zero_stage3_hooks()
-
-    return full_params
-
-
-def param_share(model) -> tuple[int, int]:
-    """(parameters held on this rank, parameters in the model): ZeRO-3 keeps a 1/N slice."""
-    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    return local, total
 
 
 def prepare_models(accelerator, ds: bool, cfg: Config, actor, critic, ref, reward_model):
@@ -1753,7 +1483,10 @@ def setup(cfg: Config) -> Run:
     run.engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))   # e.g. a resumed actor
     if resumed:
         run.engine.load_state_dict(run.engine_state)
-    run.tracker = Tracker(cfg, out_dir, accelerator.is_main_process, resumed)
+    tags = run_tags(world, distributed.zero_stage(accelerator), run.engine.name, HERE)
+    run.tracker = Tracker(out_dir, accelerator.is_main_process, uri=cfg.mlflow_tracking_uri,
+                          experiment=cfg.mlflow_experiment, run_name=cfg.run_name, params=dataclasses.asdict(cfg),
+                          tags=tags, resumed=resumed)
     return run
 
 
@@ -1898,6 +1631,8 @@ def main(cfg: Config) -> None:
                 tracker.log_samples(step, samples)
             metrics["guard/rollbacks"] = guards.rollbacks
             tracker.log(step, metrics)
+            if "val/accuracy" in metrics or "val/score_mean" in metrics:
+                tracker.log_curves()
             drift = metrics.get("rollout/logprob_diff", 0.0)
             if cfg.rollout_max_logprob_diff > 0 and drift > cfg.rollout_max_logprob_diff:
                 raise UserError(f"step {step}: rollout/logprob_diff={drift:.4g} > rollout_max_logprob_diff="

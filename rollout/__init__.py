@@ -29,6 +29,7 @@ class RolloutOutput:
 
 
 class RolloutEngine(Protocol):
+    name: str                                                     # "hf" | "vllm"
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput: ...
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
     def sleep(self) -> None: ...                                  # after generating: free GPU memory

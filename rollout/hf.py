@@ -14,6 +14,8 @@ from rollout import RolloutOutput, SamplingParams, cut_at_eos
 
 
 class HFEngine:
+    name = "hf"
+
     def __init__(self, model, eos_token_id: int | list[int], pad_token_id: int, micro_batch_size: int = 256,
                  contexts=()):
         self.model = model                  # the unwrapped actor (an nn.Module with .generate)

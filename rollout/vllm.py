@@ -24,6 +24,8 @@ _FIX_CONFIG = ("the engine could not start; what to change: rollout_kv_cache_gb 
 
 
 class VLLMEngine:
+    name = "vllm"
+
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 2048,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, enable_sleep_mode: bool = True,
                  distributed: bool = False, enforce_eager: bool = False, sleep_level: int = 1,

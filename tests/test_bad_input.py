@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import distributed
 import train_ppo
 from train_ppo import UserError, load_config, load_prompts, read_table
 
@@ -135,7 +136,7 @@ def test_unloadable_model_is_one_line_without_traceback(tmp_path):
 def test_deepspeed_settings_that_would_apply_a_nan_update_are_refused(conf, named):
     """DeepSpeed 0.19 skips a step whose gradients are NaN/inf under ZeRO 1-3, but applies it at
     stage 0 (fp32) or with bf16.check_grad_overflow off: such a config stops the run at start."""
-    text = message(lambda: train_ppo.check_deepspeed_config(conf, train_ppo.Config()))
+    text = message(lambda: distributed.check_deepspeed_config(conf, {}, bf16=False))
     assert named in text
-    train_ppo.check_deepspeed_config({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}},
-                                     train_ppo.Config())   # the repository's configs pass
+    distributed.check_deepspeed_config({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}, {},
+                                       bf16=False)   # the repository's configs pass

@@ -1,0 +1,145 @@
+"""Distribution plumbing: Accelerate, with one DeepSpeed plugin (engine config) per model under
+DeepSpeed, the launched DeepSpeed config checked against the values the script owns, and the
+ZeRO-3 parameter gathering that generation and weight sync need. train_ppo.py calls
+`make_accelerator` once; everything here takes plain values, never the script's config.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from errors import UserError
+
+
+@dataclass
+class Role:
+    """One model's part in the run, which decides its DeepSpeed engine config."""
+    trained: bool                   # an optimizer and gradient clipping (else frozen, inference only)
+    micro_batch: int                # sequences per forward/backward on one device
+    grad_clip: float | None = None  # trained models: global-norm clipping
+    offload: bool = False           # frozen models under ZeRO-3: parameters kept in CPU memory
+
+
+def make_accelerator(bf16: bool, roles: dict[str, Role], owned: dict[str, tuple[str, object]]):
+    """-> (accelerator, ds). Under `accelerate launch` with a DeepSpeed config, each role gets its
+    own plugin derived from the launched config. owned: DeepSpeed key -> (config key, value) the
+    script decides, which the launched config may only leave "auto" or match."""
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+    # without CUDA, Accelerate would leave every rank believing it is rank 0 of 1
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    handlers = [] if torch.cuda.is_available() or world == 1 else [InitProcessGroupKwargs(backend="gloo")]
+    precision = "bf16" if bf16 else "no"
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return Accelerator(mixed_precision=precision, kwargs_handlers=handlers), False
+    import importlib.util
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UserError("the accelerate config asks for DeepSpeed, which is not installed: run ./install.sh, "
+                        "or launch with accelerate_configs/single.yaml / plain python")
+    from accelerate.utils import DeepSpeedPlugin
+    base = DeepSpeedPlugin().deepspeed_config       # the launched config: a JSON file or YAML keys
+    check_deepspeed_config(base, owned, bf16)
+    plugins = deepspeed_plugins(base, roles, world, bf16)
+    return Accelerator(mixed_precision=precision, deepspeed_plugins=plugins, kwargs_handlers=handlers), True
+
+
+def deepspeed_plugins(base: dict, roles: dict[str, Role], world: int, bf16: bool) -> dict:
+    from accelerate.utils import DeepSpeedPlugin
+    plugins = {}
+    saved = os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)   # YAML keys are already in `base`
+    try:
+        for name, role in roles.items():
+            conf = copy.deepcopy(base)
+            # micro-batching is ours: one engine "step" per mini-batch, our losses pre-normalised
+            conf.update(train_micro_batch_size_per_gpu=role.micro_batch, gradient_accumulation_steps=1,
+                        train_batch_size=role.micro_batch * world, bf16={"enabled": bf16})
+            conf.pop("fp16", None)
+            zero = conf.setdefault("zero_optimization", {})
+            if role.trained:
+                conf.update(gradient_clipping=role.grad_clip, managed_gradient_accumulation=False)
+                zero["stage3_gather_16bit_weights_on_model_save"] = True
+            else:
+                conf.pop("gradient_clipping", None)
+                zero.pop("offload_optimizer", None)
+                if zero.get("stage") != 3:   # ZeRO-1/2 shard optimizer state, which a frozen model has none of
+                    conf["zero_optimization"] = zero = {"stage": 0}
+                if role.offload and zero.get("stage") == 3:
+                    zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+            plugins[name] = DeepSpeedPlugin(hf_ds_config=conf)
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_CONFIG_DS_FIELDS"] = saved
+    return plugins
+
+
+def check_deepspeed_config(conf: dict, owned: dict[str, tuple[str, object]], bf16: bool) -> None:
+    """A DeepSpeed JSON may leave script-owned values as "auto" or match them; anything else is a
+    contradiction that would silently change the run, so it stops it."""
+    for key, (cfg_key, value) in owned.items():
+        if conf.get(key, "auto") not in ("auto", value):
+            raise UserError(f"DeepSpeed config sets {key}={conf[key]} but {cfg_key}={value}: set it to \"auto\" "
+                            f"in the JSON (the script fills it) or change {cfg_key}")
+    if conf.get("gradient_accumulation_steps", "auto") not in ("auto", 1):
+        raise UserError(f"DeepSpeed config sets gradient_accumulation_steps={conf['gradient_accumulation_steps']}: "
+                        "set it to \"auto\"; PPO mini-batches are ppo_mini_batch_size / ppo_micro_batch_size_per_device")
+    if "optimizer" in conf or "scheduler" in conf:
+        raise UserError("DeepSpeed config has an optimizer/scheduler block: remove it; the script builds AdamW "
+                        "from actor_lr / critic_lr and its own schedule")
+    # a NaN/inf gradient must skip the step on every rank before the weights change: DeepSpeed 0.19
+    # does so under ZeRO 1-3 (its overflow check runs on the reduced gradients), but not at stage 0
+    # in fp32, nor in bf16 with check_grad_overflow off
+    stage = conf.get("zero_optimization", {}).get("stage", 0)
+    if stage == 0:
+        raise UserError("DeepSpeed config has zero_optimization.stage=0, under which DeepSpeed applies an update whose "
+                        "gradients are NaN/inf: use stage 1, 2 or 3, or launch without DeepSpeed "
+                        "(accelerate_configs/single.yaml or plain multi-process)")
+    if conf.get("bf16", {}).get("check_grad_overflow", True) is False:
+        raise UserError("DeepSpeed config sets bf16.check_grad_overflow=false, under which DeepSpeed applies an update "
+                        "whose gradients are NaN/inf: remove the key")
+    for mp, wanted in (("fp16", False), ("bf16", bf16)):
+        enabled = conf.get(mp, {}).get("enabled", "auto")
+        if enabled not in ("auto", wanted):
+            raise UserError(f"DeepSpeed config sets {mp}.enabled={enabled} but dtype={'bf16' if bf16 else 'fp32'}: "
+                            "set it to \"auto\" or change dtype (fp32 | bf16)")
+
+
+def zero_stage(accelerator) -> int | None:
+    """The ZeRO stage of the launched DeepSpeed config; None without DeepSpeed."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return None if plugin is None else plugin.zero_stage
+
+
+def gathered_params(engine, ds: bool):
+    """A context holding every parameter of a ZeRO-3-sharded actor on this rank for a whole
+    generation, instead of gathering layer by layer for every new token (and so no collective
+    runs inside generate: ranks that finish early cannot deadlock the others)."""
+    if not ds or engine.zero_optimization_stage() != 3:
+        return nullcontext
+
+    @contextmanager
+    def full_params():
+        import deepspeed  # noqa: F401
+        offload = engine.optimizer.parameter_offload
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            # ZeRO-3's per-module hooks would fetch and release (and prefetch) during generate
+            offload._remove_module_hooks()
+            try:
+                yield
+            finally:
+                for p in params:
+                    p.ds_active_sub_modules.clear()
+                offload.setup_zero_stage3_hooks()
+
+    return full_params
+
+
+def param_share(model) -> tuple[int, int]:
+    """(parameters held on this rank, parameters in the model): ZeRO-3 keeps a 1/N slice."""
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return local, total

@@ -1,0 +1,209 @@
+"""Tracking: metrics.jsonl (the output contract), MLflow (asynchronous, one call per step) and
+curves.png. train_ppo.py calls `Tracker(...)` once and then `log`, `log_samples`, `log_curves`,
+`rewind` and `finish`; everything here takes plain values, never the script's config.
+
+metrics.jsonl is the record: it is written and flushed before anything is sent to MLflow, and a
+tracking server that is slow or down never stalls training (the sender retries in the
+background and catches up when the server is back).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+CURVES = ("reward/score_mean", "val/accuracy", "kl/mean", "actor/entropy", "critic/vf_loss", "time/step_s")
+
+
+class Tracker:
+    def __init__(self, out_dir: Path, enabled: bool, *, uri: str, experiment: str, run_name: str,
+                 params: dict, tags: dict, resumed: dict | None = None):
+        """uri: '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db. params: the whole config.
+        resumed: a checkpoint's trainer state. Its steps stay in metrics.jsonl (later ones are
+        dropped, to be written again) and its MLflow run is continued when the store has it."""
+        self.enabled, self.out_dir, self.run_id = enabled, out_dir, None
+        if not enabled:
+            return
+        # a tracking server that stops answering must not stall training: few, short retries
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        import mlflow
+        self.mlflow = mlflow
+        self.uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+        mlflow.set_tracking_uri(self.uri)
+        mlflow.set_experiment(experiment)
+        run_id = resumed.get("mlflow_run_id") if resumed else None
+        if run_id and _has_run(mlflow, run_id):
+            self.run = mlflow.start_run(run_id=run_id)
+        else:
+            self.run = mlflow.start_run(run_name=run_name or out_dir.name, tags=tags)
+            mlflow.log_params({k: str(v) for k, v in params.items()}, synchronous=False)
+        self.run_id = self.run.info.run_id
+        self._try("config.yaml", lambda: mlflow.log_artifact(str(out_dir / "config.yaml")))
+        self.sender = MetricSender(mlflow.MlflowClient(), self.run_id)
+        path = out_dir / "metrics.jsonl"
+        kept = []
+        if resumed and path.exists():
+            kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            kept = [r for r in kept if r["step"] <= resumed["step"]]
+        self.history: list[dict] = []
+        self.rewind(kept, resumed["step"] if resumed else -1)
+
+    def rewind(self, records: list[dict], step: int):
+        """Keep only the records up to `step` (a resume or a rollback rewrites what follows)."""
+        if not self.enabled:
+            return
+        path = self.out_dir / "metrics.jsonl"
+        if getattr(self, "metrics_file", None):
+            self.metrics_file.close()
+        self.history = [r for r in records if r["step"] <= step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        os.replace(tmp, path)   # never a truncated file, even if killed right here
+        self.metrics_file = open(path, "a")
+
+    def log(self, step: int, metrics: dict):
+        if not self.enabled:
+            return
+        record = {"step": step, **metrics}
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        self.history.append(record)
+        self.sender.put(step, {k: v for k, v in metrics.items() if math.isfinite(v)})
+
+    def log_samples(self, step: int, rows: dict):
+        if self.enabled and rows["prompt"]:
+            self._try(f"samples of step {step}", lambda: self.mlflow.log_table(
+                data=rows, artifact_file=f"samples/step_{step:06d}.json"))
+
+    def log_curves(self) -> Path | None:
+        """Redraw curves.png from every step so far and send it (called at each validation)."""
+        if not (self.enabled and self.history):
+            return None
+        curves = plot_curves(self.history, self.out_dir / "curves.png")
+        self._try("curves.png", lambda: self.mlflow.log_artifact(str(curves)))
+        return curves
+
+    def _try(self, what: str, call) -> None:
+        try:
+            call()
+        except Exception as e:   # the tracking store is a convenience; metrics.jsonl is the record
+            print(f"warning: MLflow did not take {what}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def finish(self, status: str, final_dir: Path | None):
+        if not self.enabled:
+            return
+        self.metrics_file.close()
+        self.log_curves()
+        if final_dir is not None:
+            self._try("the final model", lambda: self.mlflow.log_artifacts(str(final_dir), artifact_path="final"))
+        unsent = self.sender.close(timeout=60)
+        if unsent:
+            print(f"warning: MLflow never took the metrics of steps {unsent} (the tracking server was unreachable); "
+                  f"they are all in {self.out_dir / 'metrics.jsonl'}", file=sys.stderr, flush=True)
+        self._try("the end of the run", lambda: self.mlflow.end_run(status=status))
+
+
+class MetricSender:
+    """Sends each step's metrics to MLflow from a background thread, one batch call per step, so a
+    slow or unreachable tracking server never stalls training; what fails is kept and retried
+    until it goes through, so MLflow catches up when the server is back."""
+
+    def __init__(self, client, run_id: str):
+        self.client, self.run_id = client, run_id
+        self.pending: list[tuple[int, dict]] = []
+        self.lock, self.wake, self.closing = threading.Lock(), threading.Event(), False
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def put(self, step: int, metrics: dict):
+        with self.lock:
+            self.pending.append((step, metrics))
+        self.wake.set()
+
+    def _loop(self):
+        from mlflow.entities import Metric
+        backoff = 1.0
+        while True:
+            self.wake.wait(timeout=backoff)
+            self.wake.clear()
+            with self.lock:
+                batch = list(self.pending)
+            if not batch:
+                if self.closing:
+                    return
+                continue
+            now = int(time.time() * 1000)
+            try:
+                for step, metrics in batch:
+                    self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()],
+                                          synchronous=True)
+                    with self.lock:
+                        self.pending.remove((step, metrics))
+                backoff = 1.0
+            except Exception:
+                backoff = min(backoff * 2, 30.0)
+                time.sleep(backoff)
+
+    def close(self, timeout: float) -> list[int]:
+        """Wait up to `timeout` seconds for everything to be sent -> the steps that were not."""
+        self.closing = True
+        self.wake.set()
+        self.thread.join(timeout)
+        with self.lock:
+            return [step for step, _ in self.pending]
+
+
+def _has_run(mlflow, run_id: str) -> bool:
+    try:
+        mlflow.MlflowClient().get_run(run_id)
+        return True
+    except mlflow.exceptions.MlflowException:
+        return False
+
+
+def plot_curves(history: list[dict], path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    for ax, key in zip(axes.flat, CURVES):
+        points = [(r["step"], r[key]) for r in history if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="." if len(points) < 30 else None)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def run_tags(world: int, zero_stage: int | None, engine: str, root: Path) -> dict:
+    """Tags that say what ran: the git commit (when the code is a checkout), the world size, ZeRO
+    stage, rollout engine and the versions of the libraries that decide the numbers."""
+    from importlib.metadata import PackageNotFoundError, version
+    tags = {"world_size": str(world), "zero_stage": "none" if zero_stage is None else str(zero_stage),
+            "rollout_engine": engine}
+    for lib in ("torch", "transformers", "accelerate", "deepspeed", "vllm", "peft", "mlflow"):
+        try:
+            tags[f"version.{lib}"] = version(lib)
+        except PackageNotFoundError:
+            pass
+    commit = _git_commit(root)
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
+def _git_commit(root: Path) -> str:
+    import subprocess
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
