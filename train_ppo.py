@@ -73,6 +73,14 @@ class Config:
     max_prompt_length: int = opt(16, "prompt tokens at most")
     prompt_truncation: str = opt("error", "what to do with a longer prompt: error | left (keep its last tokens)")
     max_response_length: int = opt(4, "response tokens at most")
+    # SFT mix (InstructGPT's PPO-ptx): supervised data in the actor update, against forgetting
+    sft_files: str = opt("", "supervised data mixed into every actor mini-batch: parquet or jsonl files with prompt and "
+                             "response columns, comma-separated; '' = off")
+    sft_prompt_key: str = opt("prompt", "SFT: the prompt column (a string, or a list of chat messages)")
+    sft_response_key: str = opt("response", "SFT: the response column (a string; EOS is appended)")
+    sft_coef: float = opt(0.1, "SFT: weight of the next-token NLL (mean over response tokens) added to the actor loss")
+    sft_batch_size: int = opt(0, "SFT: sequences per actor mini-batch, all processes together (a multiple of their "
+                                 "number); 0 = 5% of the mini-batch's sequences, at least one per process")
     # run
     output_dir: str = opt("runs/demo", "where config.yaml, metrics.jsonl and final/ go")
     seed: int = opt(0, "seed for data order, sampling and initialisation")
@@ -90,6 +98,14 @@ class Config:
     max_consecutive_skips: int = opt(5, "roll back after this many optimizer steps in a row skipped for a non-finite "
                                         "gradient norm; 0 = never")
     entropy_warn_threshold: float = opt(0.01, "warn when actor/entropy falls below this (entropy collapse); 0 = off")
+    entropy_floor: float = opt(0.0, "react to entropy collapse: when actor/entropy falls below this, switch to "
+                                    "entropy_floor_temperature and/or entropy_floor_coeff; 0 = off")
+    entropy_floor_temperature: typing.Optional[float] = opt(None, "entropy_floor: the sampling temperature while "
+                                                                  "reacting (e.g. 0.8); None = unchanged")
+    entropy_floor_coeff: typing.Optional[float] = opt(None, "entropy_floor: the entropy_coeff while reacting "
+                                                            "(e.g. 0.01); None = unchanged")
+    entropy_recover: float = opt(0.0, "entropy_floor: undo the reaction once actor/entropy rises above this "
+                                      "(> entropy_floor); 0 = keep it for the rest of the run")
     skip_nonfinite_rewards: bool = opt(False, "a NaN/inf score drops that sample from the update instead of stopping the run")
     mlflow_tracking_uri: str = opt("", "MLflow tracking URI; '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir")
     mlflow_experiment: str = opt("ppo", "MLflow experiment name")
@@ -185,6 +201,17 @@ def load_config(argv: list[str] | None = None) -> Config:
     cfg = Config(**{k: _coerce(k, v) for k, v in values.items()})
     validate_config(cfg)
     return cfg
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that run but are known to work against the user."""
+    notes = []
+    if cfg.adv_estimator == "grpo" and cfg.norm_adv_by_std_in_grpo and cfg.use_kl_in_reward:
+        notes.append("adv_estimator=grpo with use_kl_in_reward=true: a group whose verifier scores tie differs only "
+                     "by kl_coef x KL, and dividing by the group's std turns that noise into advantages of about "
+                     "+-1 (on the demo: +6 validation points instead of +31). verl's GRPO recipes use "
+                     "use_kl_in_reward=false and use_kl_loss=true (configs/demo_grpo.yaml)")
+    return notes
 
 
 def _parse_cli(argv: list[str]) -> list[tuple[str, str]]:
@@ -324,7 +351,18 @@ def validate_config(cfg: Config) -> None:
     for key in ("model_path", "critic_model_path", "ref_model_path", "reward_model_path"):
         path = getattr(cfg, key)
         need(not path or Path(path).is_dir(), f"{key}: model directory {path} does not exist")
-    for key in ("train_files", "val_files"):
+    if cfg.entropy_floor:
+        need(cfg.entropy_floor > 0, f"entropy_floor must be >= 0, got {cfg.entropy_floor}")
+        need(cfg.entropy_floor_temperature is not None or cfg.entropy_floor_coeff is not None,
+             f"entropy_floor={cfg.entropy_floor} needs a reaction: set entropy_floor_temperature and/or "
+             "entropy_floor_coeff")
+        need(cfg.entropy_floor_temperature is None or cfg.entropy_floor_temperature > 0,
+             f"entropy_floor_temperature must be > 0, got {cfg.entropy_floor_temperature}")
+        need(cfg.entropy_recover == 0 or cfg.entropy_recover > cfg.entropy_floor,
+             f"entropy_recover ({cfg.entropy_recover}) must be 0 (never) or above entropy_floor ({cfg.entropy_floor})")
+    need(cfg.sft_coef >= 0 and cfg.sft_batch_size >= 0,
+         f"sft_coef and sft_batch_size must be >= 0, got {cfg.sft_coef} and {cfg.sft_batch_size}")
+    for key in ("train_files", "val_files", "sft_files"):
         for path in _split_files(getattr(cfg, key)):
             need(Path(path).is_file(), f"{key}: file {path} does not exist")
     need(_split_files(cfg.train_files), "train_files is empty: give at least one parquet or jsonl file")
@@ -685,6 +723,30 @@ def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str,
     return out
 
 
+def load_sft(cfg: Config, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """SFT pairs from parquet/jsonl files -> (prompt ids, response ids + EOS), held to the rollout's
+    limits (max_prompt_length, max_response_length); every problem names the file and row."""
+    prompts, responses = [], []
+    for path in _split_files(cfg.sft_files):
+        frame = read_table(path)
+        for key, column in (("sft_prompt_key", cfg.sft_prompt_key), ("sft_response_key", cfg.sft_response_key)):
+            if column not in frame.columns:
+                raise UserError(f"{path}: no column {column!r} ({key}); its columns are {list(frame.columns)}")
+        for row, (prompt, response) in enumerate(zip(frame[cfg.sft_prompt_key], frame[cfg.sft_response_key])):
+            p = tokenizer(_render_prompt(prompt, tokenizer, path, row), add_special_tokens=False)["input_ids"]
+            if not isinstance(response, str) or not response:
+                raise UserError(f"{path}: row {row}: the SFT response must be a non-empty string, got {response!r}")
+            r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            for what, n, key in (("prompt", len(p), "max_prompt_length"), ("response (with EOS)", len(r),
+                                                                          "max_response_length")):
+                if n == 0 or n > getattr(cfg, key):
+                    raise UserError(f"{path}: row {row} has an SFT {what} of {n} tokens; it must have 1 to "
+                                    f"{key}={getattr(cfg, key)}")
+            prompts.append(p)
+            responses.append(r)
+    return prompts, responses
+
+
 def _render_prompt(prompt, tokenizer, path, row) -> str:
     if isinstance(prompt, str):
         return prompt
@@ -972,9 +1034,9 @@ def make_optimizer(model, lr: float, cfg: Config):
 class PromptStream:
     """Each epoch a fresh seeded permutation of the training prompts, consumed in batches."""
 
-    def __init__(self, n: int, batch_size: int, seed: int):
+    def __init__(self, n: int, batch_size: int, seed: int, names=("train_files", "train_batch_size")):
         if n < batch_size:
-            raise UserError(f"train_files hold {n} prompts, fewer than train_batch_size={batch_size}")
+            raise UserError(f"{names[0]} hold {n} rows, fewer than {names[1]}={batch_size}")
         self.n, self.batch_size, self.seed = n, batch_size, seed
         self.epoch, self.pos = 0, 0
 
@@ -985,6 +1047,28 @@ class PromptStream:
         idx = order[self.pos:self.pos + self.batch_size].tolist()
         self.pos += self.batch_size
         return idx
+
+
+class SFTStream:
+    """The SFT mix's rows, drawn in seeded permutations like the prompts: every rank draws the same
+    rows and takes its own share, so each rank runs exactly one SFT pass per mini-batch."""
+
+    def __init__(self, pairs, batch_size: int, seed: int, rank: int, world: int, pad_id: int):
+        self.prompts, self.responses = pairs
+        self.rank, self.world, self.pad_id = rank, world, pad_id
+        self.rows = PromptStream(len(self.prompts), batch_size, seed, names=("sft_files", "sft_batch_size"))
+
+    def next(self) -> dict:
+        idx = self.rows.next()[self.rank::self.world]
+        return pack_batch([self.prompts[i] for i in idx], [self.responses[i] for i in idx], self.pad_id)
+
+
+def sft_batch_size(cfg: Config, world: int) -> int:
+    """sft_batch_size, or 5% of an actor mini-batch's sequences rounded up to one per process."""
+    if cfg.sft_batch_size:
+        return cfg.sft_batch_size
+    share = math.ceil(0.05 * schedule(cfg, "actor").mini_batch * cfg.rollout_n / world)
+    return max(1, share) * world
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1024,7 +1108,19 @@ def optimizer_step(model, optim, max_norm: float, ds: bool) -> tuple[float, bool
     return norm, False
 
 
-def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, ds: bool) -> dict:
+def sft_loss(accelerator, actor, sft: SFTStream, autocast) -> torch.Tensor:
+    """Next-token NLL of one SFT micro-batch, normalised by the response tokens of all ranks (the
+    gradient average over ranks then gives the mean over every rank's tokens)."""
+    batch = to_device(sft.next(), accelerator.device)
+    mask = batch["response_mask"]                                                  # [s, R]
+    tokens = accelerator.reduce(mask.sum(), reduction="sum") / accelerator.num_processes
+    with autocast():
+        logprob, _ = response_logprobs(actor, batch, 1.0)                         # [s, R]
+    return -(logprob * mask).sum() / tokens
+
+
+def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, ds: bool, sft=None,
+                 temperature: float = 1.0, entropy_coeff: float = 0.0) -> dict:
     stats = Stats()
     sched = schedule(cfg, "actor")
     mini = sched.mini_batch * cfg.rollout_n // accelerator.num_processes
@@ -1038,13 +1134,13 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
             for _, micro in micro_batches(mb, sched.micro_batch, sched.max_tokens, agree):
                 m = micro["response_mask"]
                 with autocast():
-                    logprob, entropy = response_logprobs(actor, micro, cfg.temperature, with_entropy=True,
-                                                         entropy_grad=cfg.entropy_coeff != 0)
+                    logprob, entropy = response_logprobs(actor, micro, temperature, with_entropy=True,
+                                                         entropy_grad=entropy_coeff != 0)
                 pg, pg_stats = policy_loss(micro["old_logprob"], logprob, micro["advantages"], m, low, high,
                                            cfg.clip_ratio_c, cfg.loss_agg_mode, micro.get("is_weights"), **norms)
                 loss = pg
-                if cfg.entropy_coeff:
-                    loss = loss - cfg.entropy_coeff * agg_loss(entropy, m, cfg.loss_agg_mode, **norms)
+                if entropy_coeff:
+                    loss = loss - entropy_coeff * agg_loss(entropy, m, cfg.loss_agg_mode, **norms)
                 if cfg.use_kl_loss:
                     kl_loss = agg_loss(kl.kl_penalty(logprob, micro["ref_logprob"], cfg.kl_loss_type), m,
                                        cfg.loss_agg_mode, **norms)
@@ -1054,6 +1150,10 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                 loss_total["actor/pg_loss"] += pg.item()
                 stats.add({f"actor/{k}": v.item() for k, v in pg_stats.items()})
                 stats.add({"actor/entropy": masked_mean(entropy.detach(), m).item()})
+            if sft is not None:   # PPO-ptx: one pass of supervised data in every mini-batch, on every rank
+                nll = sft_loss(accelerator, actor, sft, autocast)
+                backward(actor, cfg.sft_coef * nll, ds)
+                stats.add({"actor/sft_loss": nll.item()})
             grad_norm, skipped = optimizer_step(actor, optim, cfg.max_grad_norm, ds)
             stats.add(loss_total if cfg.use_kl_loss else {"actor/pg_loss": loss_total["actor/pg_loss"]})
             stats.add({"actor/grad_norm": grad_norm if not skipped else float("nan")})
@@ -1282,7 +1382,7 @@ def make_accelerator(cfg: Config):
 
 
 def check_world_size(cfg: Config, world: int) -> None:
-    for key in ("train_batch_size", "ppo_mini_batch_size", "critic_ppo_mini_batch_size"):
+    for key in ("train_batch_size", "ppo_mini_batch_size", "critic_ppo_mini_batch_size", "sft_batch_size"):
         if getattr(cfg, key) is not None and getattr(cfg, key) % world:
             raise UserError(f"{key}={getattr(cfg, key)} is not divisible by the {world} processes: change {key} "
                             f"or num_processes")
@@ -1364,13 +1464,26 @@ def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group
 
 class Guards:
     """Keeps a long run alive: a KL drift or a run of skipped (non-finite) optimizer steps rolls
-    back to the last checkpoint with a lower actor lr; entropy collapse is warned about."""
+    back to the last checkpoint with a lower actor lr; entropy collapse is warned about and, with
+    entropy_floor, reacted to (another sampling temperature and/or entropy bonus until it recovers)."""
 
     def __init__(self, cfg: Config):
         self.cfg, self.rollbacks, self.consecutive_skips = cfg, 0, 0
+        self.entropy_reaction = False   # saved in checkpoints
+
+    @property
+    def temperature(self) -> float:
+        react = self.entropy_reaction and self.cfg.entropy_floor_temperature is not None
+        return self.cfg.entropy_floor_temperature if react else self.cfg.temperature
+
+    @property
+    def entropy_coeff(self) -> float:
+        react = self.entropy_reaction and self.cfg.entropy_floor_coeff is not None
+        return self.cfg.entropy_floor_coeff if react else self.cfg.entropy_coeff
 
     def check(self, step: int, metrics: dict, optimizer_steps: int) -> str | None:
-        """-> why to roll back now, or None. Also warns (stderr) about a collapsing entropy."""
+        """-> why to roll back now, or None. Also warns (stderr) about a collapsing entropy and
+        switches the entropy reaction on or off for the next step."""
         cfg = self.cfg
         skipped = int(metrics.get("actor/skipped_steps", 0))
         self.consecutive_skips = self.consecutive_skips + skipped if skipped == optimizer_steps else skipped
@@ -1378,6 +1491,14 @@ class Guards:
         if cfg.entropy_warn_threshold > 0 and entropy is not None and entropy < cfg.entropy_warn_threshold:
             print(f"warning: step {step}: actor/entropy={entropy:.4g} < entropy_warn_threshold="
                   f"{cfg.entropy_warn_threshold} (entropy collapse)", file=sys.stderr, flush=True)
+        if cfg.entropy_floor > 0 and entropy is not None:
+            turn_on = not self.entropy_reaction and entropy < cfg.entropy_floor
+            turn_off = self.entropy_reaction and cfg.entropy_recover > 0 and entropy > cfg.entropy_recover
+            if turn_on or turn_off:
+                self.entropy_reaction = turn_on
+                print(f"warning: step {step}: actor/entropy={entropy:.4g} "
+                      f"{'< entropy_floor' if turn_on else '> entropy_recover'}: from the next step temperature="
+                      f"{self.temperature:g}, entropy_coeff={self.entropy_coeff:g}", file=sys.stderr, flush=True)
         if cfg.kl_rollback_threshold > 0 and metrics.get("kl/mean", 0.0) > cfg.kl_rollback_threshold:
             return f"kl/mean={metrics['kl/mean']:.4g} > kl_rollback_threshold={cfg.kl_rollback_threshold}"
         if cfg.max_consecutive_skips > 0 and self.consecutive_skips >= cfg.max_consecutive_skips:
@@ -1427,6 +1548,8 @@ class Run:
     train: PromptSet
     val: PromptSet | None
     stream: PromptStream
+    sft: SFTStream | None           # the SFT mix's rows (sft_files)
+    guards: Guards
     tracker: Tracker
     autocast: typing.Any
     first_step: int = 1
@@ -1443,6 +1566,9 @@ def setup(cfg: Config) -> Run:
     accelerator, ds = make_accelerator(cfg)
     world, rank = accelerator.num_processes, accelerator.process_index
     check_world_size(cfg, world)
+    if accelerator.is_main_process:
+        for note in config_warnings(cfg):
+            print(f"warning: {note}", file=sys.stderr, flush=True)
     ckpt = find_checkpoint(cfg.resume, cfg.output_dir)
     resumed = read_state(ckpt) if ckpt else None
     if resumed:
@@ -1464,6 +1590,8 @@ def setup(cfg: Config) -> Run:
     read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
                                       cfg.prompt_truncation, scorer.columns, cfg.reward_fn)
     train, val = read(cfg.train_files), (read(cfg.val_files) if cfg.val_files else None)
+    sft = SFTStream(load_sft(cfg, tokenizer), sft_batch_size(cfg, world), cfg.seed, rank, world,
+                    tokenizer.pad_token_id) if cfg.sft_files else None
     (actor, actor_optim, actor_sched, critic, critic_optim, critic_sched, ref,
      scorer.reward_model) = prepare_models(accelerator, ds, cfg, actor, critic, ref, reward_model)
     set_seed(cfg.seed + rank)   # each rank samples differently; data order uses cfg.seed alone
@@ -1472,7 +1600,8 @@ def setup(cfg: Config) -> Run:
         trained["critic"] = (critic, critic_optim, critic_sched)
     run = Run(cfg, accelerator, ds, tokenizer, actor, critic, ref, trained, None, scorer,
               kl.make_kl_controller(cfg.kl_ctrl_type, cfg.kl_coef, cfg.target_kl, cfg.kl_horizon),
-              train, val, PromptStream(len(train.ids), cfg.train_batch_size, cfg.seed), None, autocast)
+              train, val, PromptStream(len(train.ids), cfg.train_batch_size, cfg.seed), sft, Guards(cfg), None,
+              autocast)
     if resumed:
         restore(run, ckpt, resumed)
         if accelerator.is_main_process:
@@ -1498,6 +1627,10 @@ def restore(run: Run, path: Path, state: dict) -> None:
         run.engine.load_state_dict(run.engine_state)
     run.kl_ctrl.load_state_dict(state["kl_ctrl"])
     run.stream.epoch, run.stream.pos = state["data"]["epoch"], state["data"]["pos"]
+    run.guards.entropy_reaction = state.get("entropy_reaction", False)
+    run.guards.rollbacks = max(run.guards.rollbacks, state.get("rollbacks", 0))
+    if run.sft is not None and state.get("sft_data"):
+        run.sft.rows.epoch, run.sft.rows.pos = state["sft_data"]["epoch"], state["sft_data"]["pos"]
     run.first_step = state["step"] + 1
 
 
@@ -1508,6 +1641,7 @@ def train_step(run: Run, step: int) -> dict:
     device, micro, world = accelerator.device, cfg.ppo_micro_batch_size_per_device, accelerator.num_processes
     times: dict = {}
     step_start = time.perf_counter()
+    temperature = run.guards.temperature   # entropy_floor may have changed it
     per_rank = cfg.train_batch_size // world
     idx = run.stream.next()[accelerator.process_index * per_rank:][:per_rank]     # this rank's prompts
     prompts = run.train.take(idx, cfg.rollout_n)                                   # one row per response
@@ -1515,7 +1649,7 @@ def train_step(run: Run, step: int) -> dict:
 
     # 1 generate: rollout_n responses per prompt, prompt-major order
     with timed(times, "gen"):
-        sampling = SamplingParams(n=cfg.rollout_n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        sampling = SamplingParams(n=cfg.rollout_n, temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                   max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
         rollout = engine.generate(run.train.take(idx).ids, sampling)
         engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
@@ -1534,7 +1668,7 @@ def train_step(run: Run, step: int) -> dict:
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
     with timed(times, "forward"), run.autocast():
-        logprobs_of = lambda model: lambda mb: response_logprobs(model, mb, cfg.temperature)[0]   # noqa: E731
+        logprobs_of = lambda model: lambda mb: response_logprobs(model, mb, temperature)[0]   # noqa: E731
         actor_sched, critic_sched = schedule(cfg, "actor"), schedule(cfg, "critic")
         passes = dict(size=micro, max_tokens=actor_sched.max_tokens, agree=max_over_ranks(accelerator))
         batch["old_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, **passes)      # [b, R]
@@ -1568,7 +1702,8 @@ def train_step(run: Run, step: int) -> dict:
         if step >= cfg.critic_warmup:   # verl: update the actor once global_steps >= critic_warmup
             actor, actor_optim, actor_sched = run.trained["actor"]
             with recompute_activations(actor, cfg.gradient_checkpointing):
-                metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, run.autocast, run.ds))
+                metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, run.autocast, run.ds, run.sft,
+                                            temperature, run.guards.entropy_coeff))
             metrics["actor/lr"] = actor_sched.get_last_lr()[0]
             actor_sched.step()
 
@@ -1589,6 +1724,9 @@ def train_step(run: Run, step: int) -> dict:
         })
         if run.scorer.is_verifier:
             metrics["reward/accuracy"] = (scores >= 1.0).float().mean().item()
+        if cfg.entropy_floor:
+            metrics.update({"guard/entropy_reaction": float(run.guards.entropy_reaction),
+                            "guard/temperature": temperature, "guard/entropy_coeff": run.guards.entropy_coeff})
         if cfg.skip_nonfinite_rewards:
             metrics["reward/nonfinite_frac"] = nonfinite.float().mean().item()
         if rollout.logprobs is not None:
@@ -1606,8 +1744,7 @@ def main(cfg: Config) -> None:
 
     run = setup(cfg)
     accelerator, tracker, val = run.accelerator, run.tracker, run.val
-    stop, guards = StopSignal(), Guards(cfg)
-    guards.rollbacks = run.resumed.get("rollbacks", 0) if run.resumed else 0
+    stop, guards = StopSignal(), run.guards
     optimizer_steps = cfg.ppo_epochs * (cfg.train_batch_size // cfg.ppo_mini_batch_size)
     status, final_dir = "FAILED", None
     try:
@@ -1654,7 +1791,9 @@ def main(cfg: Config) -> None:
                 save_checkpoint(accelerator, run.ds, cfg.output_dir, cfg.save_total_limit, step, run.trained, {
                     "config": dataclasses.asdict(cfg), "kl_ctrl": run.kl_ctrl.state_dict(),
                     "data": {"epoch": run.stream.epoch, "pos": run.stream.pos},
-                    "mlflow_run_id": tracker.run_id, "rollbacks": guards.rollbacks},
+                    "sft_data": {"epoch": run.sft.rows.epoch, "pos": run.sft.rows.pos} if run.sft else None,
+                    "mlflow_run_id": tracker.run_id, "rollbacks": guards.rollbacks,
+                    "entropy_reaction": guards.entropy_reaction},
                     {"engine": run.engine.state_dict()})
             if stopping:
                 if accelerator.is_main_process:
