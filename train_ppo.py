@@ -1323,43 +1323,47 @@ def make_engine(cfg: Config, actor, tokenizer, contexts, world: int, rank: int):
     return HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout_micro_batch_size, contexts)
 
 
-def merged_lora_weights(peft_model):
-    """(Hugging Face name, tensor) of the base model with every LoRA adapter merged in
-    (W + B A * alpha / r), as a model without adapters names them: what vLLM loads."""
-    base = peft_model.get_base_model()
+def weight_units(module) -> list[tuple[list, typing.Callable]]:
+    """The actor's weights as the rollout engine names them, in units of (parameters, make) where
+    make() -> [(Hugging Face name, tensor)] once those parameters are whole. A LoRA layer is one
+    unit: its base weight with the adapter merged in (W + B A * alpha / r), named as in a model
+    without adapters, which is what vLLM loads."""
+    if not hasattr(module, "peft_config"):
+        return [([p], lambda name=name, p=p: [(name, p.data)]) for name, p in module.named_parameters()]
+    base, units = module.get_base_model(), []
     for name, p in base.named_parameters():
         if ".lora_" in name:
             continue
+        plain = name.replace(".base_layer", "")
         if name.endswith(".base_layer.weight"):
             layer = base.get_submodule(name[:-len(".base_layer.weight")])
-            yield name.replace(".base_layer", ""), p.data + layer.get_delta_weight("default").to(p.dtype)
+            adapter = [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+            units.append(([p, *adapter], lambda plain=plain, p=p, layer=layer: [
+                (plain, p.data + layer.get_delta_weight("default").to(p.dtype))]))
         else:
-            yield name.replace(".base_layer", ""), p.data
+            units.append(([p], lambda plain=plain, p=p: [(plain, p.data)]))
+    return units
 
 
 def actor_weights(actor, ds: bool, bucket_mb: float):
-    """(Hugging Face name, tensor) pairs of the actor for the rollout engine. Under ZeRO-3 the
-    shards are gathered a bucket of about bucket_mb at a time and released after, so no rank ever
-    holds the whole model; the engine consumes the generator as it goes."""
-    module = actor.module if ds else actor
-    if hasattr(module, "peft_config"):
-        if ds and actor.zero_optimization_stage() == 3:
-            raise UserError("lora_rank with ZeRO-3 and rollout_engine=vllm is not supported yet: use ZeRO-2, "
-                            "rollout_engine=hf, or full fine-tuning")
-        yield from merged_lora_weights(module)
-        return
-    named = list(module.named_parameters())
+    """(Hugging Face name, tensor) pairs of the actor for the rollout engine (LoRA merged in).
+    Under ZeRO-3 the shards are gathered a bucket of about bucket_mb at a time and released after,
+    so no rank ever holds the whole model; the engine consumes the generator as it goes. Every
+    rank must consume it: each bucket's gather is a collective."""
+    units = weight_units(actor.module if ds else actor)
     if not ds or actor.zero_optimization_stage() != 3:
-        yield from ((name, p.data) for name, p in named)
+        for _, make in units:
+            yield from make()
         return
     import deepspeed
     budget, bucket, size = bucket_mb * 2**20, [], 0
-    for i, (name, p) in enumerate(named):
-        bucket.append((name, p))
-        size += p.ds_numel * p.element_size()
-        if size >= budget or i == len(named) - 1:
-            with deepspeed.zero.GatheredParameters([q for _, q in bucket]):
-                yield from ((n, q.data) for n, q in bucket)
+    for i, (params, make) in enumerate(units):
+        bucket.append((params, make))
+        size += sum(p.ds_numel * p.element_size() for p in params)
+        if size >= budget or i == len(units) - 1:
+            with deepspeed.zero.GatheredParameters([p for ps, _ in bucket for p in ps]):
+                for _, make_one in bucket:
+                    yield from make_one()
             bucket, size = [], 0
 
 
@@ -1846,15 +1850,18 @@ def save_final(accelerator, actor, tokenizer, out_dir: Path, ds: bool, merged: b
         accelerator.state.select_deepspeed_plugin("actor")
     accelerator.wait_for_everyone()
     state = accelerator.get_state_dict(actor)      # collective under ZeRO-3: every rank calls it
+    model = accelerator.unwrap_model(actor)
+    merged_state = None
+    if merged and hasattr(model, "peft_config"):   # also a collective under ZeRO-3
+        merged_state = {name: t.detach().cpu().clone() for name, t in actor_weights(actor, ds, 256.0)
+                        if accelerator.is_main_process}
     if not accelerator.is_main_process:
         return None
     final_dir = out_dir / "final"
-    model = accelerator.unwrap_model(actor)
     model.save_pretrained(final_dir, state_dict=state, safe_serialization=True)   # LoRA: the adapter alone
     tokenizer.save_pretrained(final_dir)
-    if merged and hasattr(model, "peft_config"):
+    if merged_state is not None:
         base = model.get_base_model()
-        merged_state = dict(merged_lora_weights(model))
         config_only = base.config.__class__.from_dict(base.config.to_dict())
         type(base)(config_only).save_pretrained(final_dir / "merged", state_dict=merged_state, safe_serialization=True)
         tokenizer.save_pretrained(final_dir / "merged")
