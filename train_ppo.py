@@ -125,7 +125,11 @@ class Config:
     rollout_kv_cache_gb: float = opt(1.0, "vllm on CPU: KV cache size in GiB")
     rollout_sync_bucket_mb: float = opt(256.0, "vllm: weight sync gathers ZeRO-3 shards this many MiB at a time")
     rollout_fallback_hf: bool = opt(False, "vllm: if the engine cannot start, generate with the hf engine instead")
-    rollout_max_logprob_diff: float = opt(0.0, "stop the run when rollout/logprob_diff exceeds this; 0 = never")
+    rollout_max_logprob_diff: float = opt(0.0, "react when rollout/logprob_diff (sampler vs actor) exceeds this; "
+                                               "0 = never")
+    rollout_on_drift: str = opt("stop", "the reaction to rollout_max_logprob_diff: stop (the run, naming the step) | "
+                                        "regenerate (re-send the weights and sample that step again with the hf "
+                                        "engine, on-policy)")
     rollout_is: str = opt("off", "rollout correction, truncated importance sampling of the sampler (vLLM) against the "
                                  "actor: off | token | sequence")
     rollout_is_threshold: float = opt(2.0, "rollout_is: the weights' cap C in min(exp(old - sampler log-prob), C)")
@@ -327,6 +331,8 @@ def validate_config(cfg: Config) -> None:
         need(getattr(cfg, key) >= 0, f"{key} must be >= 0, got {getattr(cfg, key)}")
     for key in ("gamma", "lam"):
         need(0 <= getattr(cfg, key) <= 1, f"{key} must be in [0, 1], got {getattr(cfg, key)}")
+    need(cfg.rollout_on_drift in ("stop", "regenerate"),
+         f"rollout_on_drift must be stop or regenerate, got {cfg.rollout_on_drift!r}")
     need(cfg.rollout_is in ("off", "token", "sequence"), f"rollout_is must be off, token or sequence, got {cfg.rollout_is!r}")
     need(cfg.rollout_is_threshold > 0, f"rollout_is_threshold must be > 0, got {cfg.rollout_is_threshold}")
     need(cfg.rollout_sleep_level in (1, 2), f"rollout_sleep_level must be 1 or 2, got {cfg.rollout_sleep_level}")
@@ -1301,11 +1307,12 @@ def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet) 
     return metrics, samples
 
 
-def make_engine(cfg: Config, actor, tokenizer, contexts, world: int, rank: int):
-    """The rollout engine of cfg.rollout_engine. vLLM runs in this process (one engine per rank)
-    and gets the actor's weights after every update; the hf engine generates on the actor itself."""
+def make_engine(cfg: Config, actor, tokenizer, contexts, world: int, rank: int, kind: str = ""):
+    """The rollout engine of `kind` (default cfg.rollout_engine). vLLM runs in this process (one
+    engine per rank) and gets the actor's weights after every update; the hf engine generates on
+    the actor itself."""
     from rollout.hf import HFEngine
-    if cfg.rollout_engine == "vllm":
+    if (kind or cfg.rollout_engine) == "vllm":
         from rollout.vllm import VLLMEngine
         try:
             return VLLMEngine(cfg.model_path, dtype=cfg.dtype, seed=cfg.seed + rank,
@@ -1559,6 +1566,16 @@ class Run:
     first_step: int = 1
     resumed: dict | None = None
     engine_state: dict | None = None   # the rollout engine's state from a checkpoint
+    hf: typing.Any = None              # the actor as a sampler, for rollout_on_drift=regenerate
+
+
+def hf_engine(run: Run):
+    """The hf engine on the actor (built on first use), to sample a step on-policy."""
+    if run.hf is None:
+        run.hf = make_engine(run.cfg, run.accelerator.unwrap_model(run.actor), run.tokenizer,
+                             [gathered_params(run.actor, run.ds), run.autocast], run.accelerator.num_processes,
+                             run.accelerator.process_index, kind="hf")
+    return run.hf
 
 
 def setup(cfg: Config) -> Run:
@@ -1638,18 +1655,25 @@ def restore(run: Run, path: Path, state: dict) -> None:
     run.first_step = state["step"] + 1
 
 
-def train_step(run: Run, step: int) -> dict:
-    """One PPO iteration on this rank's share of the prompt batch -> the step's metrics, reduced
-    over ranks, with the time of each phase."""
-    cfg, accelerator, engine, tokenizer = run.cfg, run.accelerator, run.engine, run.tokenizer
-    device, micro, world = accelerator.device, cfg.ppo_micro_batch_size_per_device, accelerator.num_processes
-    times: dict = {}
-    step_start = time.perf_counter()
-    temperature = run.guards.temperature   # entropy_floor may have changed it
-    per_rank = cfg.train_batch_size // world
-    idx = run.stream.next()[accelerator.process_index * per_rank:][:per_rank]     # this rank's prompts
+@dataclass
+class Rollouts:
+    """One step's samples on this rank, scored, with the no-grad forward passes done."""
+    batch: dict                     # pack_batch's tensors + old_logprob, ref_logprob, values, is_weights
+    responses: list[list[int]]
+    scores: torch.Tensor            # [b] the reward's score per sequence (0 where non-finite)
+    nonfinite: torch.Tensor         # [b] bool: dropped from the update (skip_nonfinite_rewards)
+    truncated: torch.Tensor         # [b] bool: cut at max_response_length without EOS
+    token_scores: torch.Tensor      # [b, R] the shaped score on each sequence's last token
+    sampler: torch.Tensor           # [b, R] the sampler's log-probs (the actor's own with the hf engine)
+    from_engine: bool               # the sampler reported its own log-probs (vLLM)
+    is_stats: dict
+
+
+def collect(run: Run, idx: list[int], engine, temperature: float, times: dict) -> Rollouts:
+    """Phases 1-3 on this rank's prompts idx: generate, score, forward passes."""
+    cfg, accelerator, tokenizer, device = run.cfg, run.accelerator, run.tokenizer, run.accelerator.device
+    micro = cfg.ppo_micro_batch_size_per_device
     prompts = run.train.take(idx, cfg.rollout_n)                                   # one row per response
-    group_ids = torch.arange(cfg.train_batch_size, device=device).repeat_interleave(cfg.rollout_n)  # [B] all ranks
 
     # 1 generate: rollout_n responses per prompt, prompt-major order
     with timed(times, "gen"):
@@ -1667,8 +1691,7 @@ def train_step(run: Run, step: int) -> dict:
         if nonfinite.any():   # those samples take no part in the update
             scores, mask[nonfinite] = torch.where(nonfinite, 0.0, scores), 0.0
         truncated = is_truncated(rollout.responses, tokenizer.eos_token_id, cfg.max_response_length)
-        valid = ~nonfinite                                                                     # [b]
-        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), valid), mask)
+        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), ~nonfinite), mask)
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
     with timed(times, "forward"), run.autocast():
@@ -1691,6 +1714,50 @@ def train_step(run: Run, step: int) -> dict:
         if cfg.rollout_is != "off":
             batch["is_weights"], is_stats = rollout_is_weights(batch["old_logprob"], sampler, mask, cfg.rollout_is,
                                                                cfg.rollout_is_threshold)
+    return Rollouts(batch, rollout.responses, scores, nonfinite, truncated, token_scores, sampler,
+                    rollout.logprobs is not None, is_stats)
+
+
+def sampler_drift(accelerator, data: Rollouts) -> float:
+    """rollout/logprob_diff: the mean |sampler - actor| log-prob over every rank's response tokens."""
+    mask = data.batch["response_mask"]
+    sums = torch.stack([((data.sampler - data.batch["old_logprob"]).abs() * mask).sum(), mask.sum()]).double()
+    total, count = accelerator.reduce(sums, reduction="sum").tolist()
+    return total / max(count, 1.0)
+
+
+def train_step(run: Run, step: int) -> dict:
+    """One PPO iteration on this rank's share of the prompt batch -> the step's metrics, reduced
+    over ranks, with the time of each phase."""
+    cfg, accelerator, engine = run.cfg, run.accelerator, run.engine
+    device, world = accelerator.device, accelerator.num_processes
+    times: dict = {}
+    step_start = time.perf_counter()
+    temperature = run.guards.temperature   # entropy_floor may have changed it
+    per_rank = cfg.train_batch_size // world
+    idx = run.stream.next()[accelerator.process_index * per_rank:][:per_rank]     # this rank's prompts
+    group_ids = torch.arange(cfg.train_batch_size, device=device).repeat_interleave(cfg.rollout_n)  # [B] all ranks
+
+    # 1-3 generate, score, forward passes
+    data = collect(run, idx, engine, temperature, times)
+    drift = sampler_drift(accelerator, data) if data.from_engine else None
+    regenerated = False
+    if drift is not None and cfg.rollout_max_logprob_diff > 0 and drift > cfg.rollout_max_logprob_diff:
+        if cfg.rollout_on_drift == "stop":
+            raise UserError(f"step {step}: rollout/logprob_diff={drift:.4g} > rollout_max_logprob_diff="
+                            f"{cfg.rollout_max_logprob_diff}: the sampler's weights no longer match the actor's")
+        # regenerate: re-send the weights to the engine, and sample this step on-policy with the actor
+        with timed(times, "sync"):
+            engine.wake_up(["weights"])
+            engine.load_weights(actor_weights(run.actor, run.ds, cfg.rollout_sync_bucket_mb))
+            engine.wake_up(["kv_cache"])
+        if accelerator.is_main_process:
+            print(f"warning: step {step}: rollout/logprob_diff={drift:.4g} > rollout_max_logprob_diff="
+                  f"{cfg.rollout_max_logprob_diff}: weights re-sent, step regenerated with the hf engine",
+                  file=sys.stderr, flush=True)
+        data, regenerated = collect(run, idx, hf_engine(run), temperature, times), True
+    batch, scores, truncated, mask = data.batch, data.scores, data.truncated, data.batch["response_mask"]
+    nonfinite, valid, token_scores, is_stats = data.nonfinite, ~data.nonfinite, data.token_scores, data.is_stats
 
     # 4 rewards and advantages over the whole batch (timed with the forward passes: it is tiny)
     with timed(times, "forward"):
@@ -1733,8 +1800,10 @@ def train_step(run: Run, step: int) -> dict:
                             "guard/temperature": temperature, "guard/entropy_coeff": run.guards.entropy_coeff})
         if cfg.skip_nonfinite_rewards:
             metrics["reward/nonfinite_frac"] = nonfinite.float().mean().item()
-        if rollout.logprobs is not None:
-            metrics["rollout/logprob_diff"] = masked_mean((sampler - batch["old_logprob"]).abs(), mask).item()
+        if drift is not None:
+            metrics["rollout/logprob_diff"] = drift
+        if cfg.rollout_on_drift == "regenerate":
+            metrics["rollout/regenerated"] = float(regenerated)
         metrics.update({f"rollout_is/{k}": v.item() for k, v in is_stats.items()})
         metrics = reduce_metrics(accelerator, {**metrics, **times})
     metrics.update(times)   # this rank's own clock, so the phases add up to its step
@@ -1774,10 +1843,6 @@ def main(cfg: Config) -> None:
             tracker.log(step, metrics)
             if "val/accuracy" in metrics or "val/score_mean" in metrics:
                 tracker.log_curves()
-            drift = metrics.get("rollout/logprob_diff", 0.0)
-            if cfg.rollout_max_logprob_diff > 0 and drift > cfg.rollout_max_logprob_diff:
-                raise UserError(f"step {step}: rollout/logprob_diff={drift:.4g} > rollout_max_logprob_diff="
-                                f"{cfg.rollout_max_logprob_diff}: the sampler's weights no longer match the actor's")
 
             # 8 guards: roll back to the last checkpoint on KL drift or a run of skipped steps
             reason = guards.check(step, metrics, optimizer_steps)

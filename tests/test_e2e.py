@@ -167,6 +167,24 @@ def test_vllm_engine_run_keeps_sampler_and_actor_in_sync(tmp_path):
     assert records[3]["kl/mean"] > 1e-4    # the actor did change, so the sync carried real updates
 
 
+def test_sampler_drift_regenerates_the_step_on_policy(tmp_path):
+    """rollout_on_drift=regenerate with a threshold below fp32 rounding: every step's vLLM samples
+    count as drifted, so the weights are re-sent and the step is sampled again by the actor itself
+    (its rollout-correction weights are then exactly 1); the run goes on instead of stopping."""
+    out = tmp_path / "out"
+    proc = run(tmp_path, f"--output_dir={out}", "--rollout_engine=vllm", "--total_training_steps=2", "--test_freq=-1",
+               "--val_before_train=false", "--rollout_max_logprob_diff=1e-12", "--rollout_on_drift=regenerate",
+               "--rollout_is=token", *FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    assert proc.stderr.count("step regenerated with the hf engine") == 2
+    for r in records:
+        assert r["rollout/regenerated"] == 1.0 and r["rollout/logprob_diff"] > 1e-12
+        assert r["rollout_is/weight_mean"] == pytest.approx(1.0, abs=1e-6)
+        assert r["rollout_is/weight_max"] == pytest.approx(1.0, abs=1e-6)
+
+
 def test_lora_actor_with_vllm_sync_and_adapter_disabled_reference(tmp_path):
     """LoRA: only adapters train; the reference is the base model with adapters off; vLLM gets the
     merged weights every step; final/ holds the adapter (and, on request, the merged model)."""
