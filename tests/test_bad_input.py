@@ -140,3 +140,14 @@ def test_deepspeed_settings_that_would_apply_a_nan_update_are_refused(conf, name
     assert named in text
     distributed.check_deepspeed_config({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}, {},
                                        bf16=False)   # the repository's configs pass
+
+
+def test_grpo_with_kl_in_the_reward_is_warned_about():
+    """GRPO divides by each group's std: with KL in the reward, tied verifier scores become
+    advantages of KL noise. The combination runs (verl allows it) but is named at start."""
+    notes = train_ppo.config_warnings(train_ppo.Config(adv_estimator="grpo"))
+    assert len(notes) == 1 and "use_kl_in_reward" in notes[0] and "configs/demo_grpo.yaml" in notes[0]
+    assert train_ppo.config_warnings(train_ppo.Config(adv_estimator="grpo", use_kl_in_reward=False)) == []
+    assert train_ppo.config_warnings(train_ppo.Config(adv_estimator="grpo", norm_adv_by_std_in_grpo=False)) == []
+    assert train_ppo.config_warnings(load_config(["--config", str(Path(train_ppo.__file__).parent /
+                                                                  "configs/demo_grpo.yaml")])) == []
