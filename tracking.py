@@ -21,27 +21,37 @@ CURVES = ("reward/score_mean", "val/accuracy", "kl/mean", "actor/entropy", "crit
 
 class Tracker:
     def __init__(self, out_dir: Path, enabled: bool, *, uri: str, experiment: str, run_name: str,
-                 params: dict, tags: dict, resumed: dict | None = None):
+                 params: dict, tags: dict, datasets: dict[str, list[str]], system_metrics: bool = False,
+                 resumed: dict | None = None):
         """uri: '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db. params: the whole config.
+        datasets: context (training, validation, ...) -> the files, logged as MLflow dataset inputs.
+        system_metrics: MLflow's own CPU/memory/GPU sampling of this process's machine.
         resumed: a checkpoint's trainer state. Its steps stay in metrics.jsonl (later ones are
         dropped, to be written again) and its MLflow run is continued when the store has it."""
-        self.enabled, self.out_dir, self.run_id = enabled, out_dir, None
+        self.enabled, self.out_dir, self.run_id, self.uri = enabled, out_dir, None, ""
+        self.history: list[dict] = []
         if not enabled:
             return
         # a tracking server that stops answering must not stall training: few, short retries
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        import logging
+
         import mlflow
+        logging.getLogger("mlflow").setLevel(logging.WARNING)   # not its table creation and new-experiment notes
         self.mlflow = mlflow
         self.uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_experiment(experiment)
         run_id = resumed.get("mlflow_run_id") if resumed else None
         if run_id and _has_run(mlflow, run_id):
-            self.run = mlflow.start_run(run_id=run_id)
+            self.run = mlflow.start_run(run_id=run_id, log_system_metrics=system_metrics)
         else:
-            self.run = mlflow.start_run(run_name=run_name or out_dir.name, tags=tags)
+            self.run = mlflow.start_run(run_name=run_name or out_dir.name, tags=tags, log_system_metrics=system_metrics)
             mlflow.log_params({k: str(v) for k, v in params.items()}, synchronous=False)
+            for context, files in datasets.items():
+                for path in files:
+                    self._try(f"dataset {path}", lambda: _log_dataset(mlflow, path, context))
         self.run_id = self.run.info.run_id
         self._try("config.yaml", lambda: mlflow.log_artifact(str(out_dir / "config.yaml")))
         self.sender = MetricSender(mlflow.MlflowClient(), self.run_id)
@@ -50,7 +60,6 @@ class Tracker:
         if resumed and path.exists():
             kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             kept = [r for r in kept if r["step"] <= resumed["step"]]
-        self.history: list[dict] = []
         self.rewind(kept, resumed["step"] if resumed else -1)
 
     def rewind(self, records: list[dict], step: int):
@@ -100,12 +109,37 @@ class Tracker:
         self.metrics_file.close()
         self.log_curves()
         if final_dir is not None:
-            self._try("the final model", lambda: self.mlflow.log_artifacts(str(final_dir), artifact_path="final"))
+            self._try("the final model", lambda: self._log_model(final_dir))
         unsent = self.sender.close(timeout=60)
         if unsent:
             print(f"warning: MLflow never took the metrics of steps {unsent} (the tracking server was unreachable); "
                   f"they are all in {self.out_dir / 'metrics.jsonl'}", file=sys.stderr, flush=True)
         self._try("the end of the run", lambda: self.mlflow.end_run(status=status))
+
+
+    def _log_model(self, final_dir: Path) -> None:
+        """As an MLflow transformers model when the flavour can take it (a full model with its
+        config), so `mlflow.transformers.load_model(<run tag model_uri>)` gives a pipeline back;
+        else (a LoRA adapter) as plain files under final/. Its URI goes in the run's tags."""
+        if not (final_dir / "config.json").is_file():
+            self.mlflow.log_artifacts(str(final_dir), artifact_path="final")
+            self.mlflow.set_tag("model_uri", f"runs:/{self.run_id}/final")
+            return
+        from importlib.metadata import version
+
+        import mlflow.transformers
+        info = mlflow.transformers.log_model(
+            transformers_model=str(final_dir), name="model", task="text-generation",
+            pip_requirements=[f"{lib}=={version(lib)}" for lib in ("torch", "transformers", "accelerate")])
+        self.mlflow.set_tag("model_uri", info.model_uri)
+
+
+def _log_dataset(mlflow, path: str, context: str) -> None:
+    import mlflow.data
+    import pandas as pd
+    frame = pd.read_parquet(path) if path.endswith(".parquet") else pd.read_json(path, lines=True)
+    mlflow.log_input(mlflow.data.from_pandas(frame, source=str(Path(path).resolve()), name=Path(path).name),
+                     context=context)
 
 
 class MetricSender:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+import console
 import distributed
 import kl
 from checkpoints import StopSignal, check_resumable, find_checkpoint, load_checkpoint, read_state, save_checkpoint
@@ -110,6 +111,7 @@ class Config:
     mlflow_tracking_uri: str = opt("", "MLflow tracking URI; '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir")
     mlflow_experiment: str = opt("ppo", "MLflow experiment name")
     run_name: str = opt("", "MLflow run name; '' = the output_dir's name")
+    mlflow_system_metrics: bool = opt(False, "MLflow samples CPU, memory (and GPU) use of the machine into the run")
     log_samples: int = opt(16, "validation generations logged to MLflow as a table, per validation")
     # rollout
     rollout_engine: str = opt("hf", "hf (generate on the actor itself) | vllm")
@@ -966,9 +968,15 @@ def load_models(cfg: Config):
         ref.requires_grad_(False)
     critic = None
     if cfg.adv_estimator == "gae":
-        critic = _load("critic_model_path" if cfg.critic_model_path else "model_path",
-                       cfg.critic_model_path or cfg.model_path, AutoModelForTokenClassification.from_pretrained,
-                       num_labels=1, dtype=torch.float32)
+        key = "critic_model_path" if cfg.critic_model_path else "model_path"
+        with console.expected_missing_weights():   # the value head is new: its absence is no news
+            critic, info = _load(key, cfg.critic_model_path or cfg.model_path,
+                                 AutoModelForTokenClassification.from_pretrained, num_labels=1, dtype=torch.float32,
+                                 output_loading_info=True)
+        missing = [k for k in info["missing_keys"] if not k.startswith("score.")]
+        if missing:
+            print(f"warning: {key}: the critic's backbone lacks {len(missing)} weights, initialised at random: "
+                  f"{missing[:5]}", file=sys.stderr, flush=True)
         critic.config.pad_token_id = tokenizer.pad_token_id
     reward_model = None
     if cfg.reward_model_path:
@@ -1425,8 +1433,9 @@ def prepare_models(accelerator, ds: bool, cfg: Config, actor, critic, ref, rewar
         frozen.append(model)
     select("actor")
     local, total = param_share(actor)
-    print(f"rank {accelerator.process_index}/{accelerator.num_processes}: actor holds {local} of {total} "
-          f"parameters ({100 * local / total:.1f}%)", flush=True)
+    if accelerator.num_processes > 1:
+        print(f"rank {accelerator.process_index}/{accelerator.num_processes}: actor holds {local} of {total} "
+              f"parameters ({100 * local / total:.1f}%)", flush=True)
     return actor, actor_optim, actor_sched, critic, critic_optim, critic_sched, frozen[0], frozen[1]
 
 
@@ -1636,7 +1645,9 @@ def setup(cfg: Config) -> Run:
     tags = run_tags(world, distributed.zero_stage(accelerator), run.engine.name, HERE)
     run.tracker = Tracker(out_dir, accelerator.is_main_process, uri=cfg.mlflow_tracking_uri,
                           experiment=cfg.mlflow_experiment, run_name=cfg.run_name, params=dataclasses.asdict(cfg),
-                          tags=tags, resumed=resumed)
+                          tags=tags, system_metrics=cfg.mlflow_system_metrics, resumed=resumed,
+                          datasets={"training": _split_files(cfg.train_files), "validation": _split_files(cfg.val_files),
+                                    "sft": _split_files(cfg.sft_files)})
     return run
 
 
@@ -1815,8 +1826,13 @@ def train_step(run: Run, step: int) -> dict:
 def main(cfg: Config) -> None:
     from tqdm import tqdm
 
+    console.quiet_libraries()
     run = setup(cfg)
     accelerator, tracker, val = run.accelerator, run.tracker, run.val
+    if accelerator.is_main_process:
+        console.header(cfg.model_path, param_share(run.actor)[1], accelerator.num_processes,
+                       distributed.zero_stage(accelerator), run.engine.name, Path(cfg.output_dir),
+                       getattr(tracker, "uri", ""), cfg.mlflow_experiment, cfg.total_training_steps)
     stop, guards = StopSignal(), run.guards
     optimizer_steps = cfg.ppo_epochs * (cfg.train_batch_size // cfg.ppo_mini_batch_size)
     status, final_dir = "FAILED", None
@@ -1830,7 +1846,8 @@ def main(cfg: Config) -> None:
         step = run.first_step
         while step <= cfg.total_training_steps:
             metrics = train_step(run, step)   # phases 1-7
-            bar.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}")
+            postfix = dict(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}",
+                           step_s=f"{metrics['time/step_s']:.2f}")
 
             # 8 validate, log
             if val and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
@@ -1841,6 +1858,9 @@ def main(cfg: Config) -> None:
                 tracker.log_samples(step, samples)
             metrics["guard/rollbacks"] = guards.rollbacks
             tracker.log(step, metrics)
+            if "val/accuracy" in metrics:
+                bar.last_val = f"{metrics['val/accuracy']:.3f}"
+            bar.set_postfix(**postfix, **({"val_acc": bar.last_val} if getattr(bar, "last_val", None) else {}))
             if "val/accuracy" in metrics or "val/score_mean" in metrics:
                 tracker.log_curves()
 
@@ -1875,10 +1895,15 @@ def main(cfg: Config) -> None:
 
         final_dir = save_final(accelerator, run.actor, run.tokenizer, Path(cfg.output_dir), run.ds, cfg.lora_save_merged)
         status = "FINISHED"
-        print(f"rank {accelerator.process_index}/{accelerator.num_processes}: peak memory {peak_memory_gb():.2f} GiB",
-              flush=True)
+        bar.close()
+        if accelerator.num_processes > 1:
+            print(f"rank {accelerator.process_index}/{accelerator.num_processes}: peak memory {peak_memory_gb():.2f} "
+                  "GiB", flush=True)
     finally:
         tracker.finish(status, final_dir)
+        if accelerator.is_main_process:
+            console.summary(Path(cfg.output_dir), status, tracker.history, tracker.uri, cfg.mlflow_experiment,
+                            tracker.run_id, peak_memory_gb())
         # a rank leaving on an error (or a second Ctrl-C) runs no collective: the others may be
         # inside a different one, and the launcher ends them once this process exits
         if status != "FAILED":

@@ -104,6 +104,21 @@ def test_short_run_mlflow_run_reads_back(short_run):
     assert {"version.torch", "version.transformers", "version.deepspeed", "version.mlflow"} <= set(tags)
 
 
+def test_short_run_terminal_is_quiet_and_says_where_things_are(short_run):
+    """No third-party notices that tell the user nothing; a header; at the end where the outputs
+    are and the exact command that opens this run's MLflow store."""
+    tmp, out, proc = short_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout + proc.stderr
+    for noise in ("LOAD REPORT", "Loading weights", "Setting accelerator to CPU", "INFO mlflow", "Writing model shards"):
+        assert noise not in text, noise
+    assert "rollout engine hf" in proc.stdout and "no DeepSpeed" in proc.stdout
+    for path in ("metrics.jsonl", "curves.png", "final"):
+        assert str(out / path) in proc.stdout
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp}/mlflow.db" in proc.stdout
+    assert "val/accuracy" in proc.stdout
+
+
 def test_short_run_final_model_loads(short_run):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -81,3 +81,48 @@ def test_training_survives_a_tracking_outage_and_mlflow_catches_up(tmp_path):
             train.kill()
         if server.poll() is None:
             stop_server(server)
+
+
+def test_mlflow_server_holds_params_tags_datasets_samples_curves_and_the_model(tmp_path):
+    """Everything a run puts in MLflow, read back over HTTP from a real `mlflow server` (artifacts
+    proxied by the server): the config as params, what ran as tags, every step's metrics, MLflow's
+    own system metrics, the data as dataset inputs, sample generations, curves, and the final model
+    as a transformers model that loads back as a text-generation pipeline."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_server(tmp_path, port)
+    try:
+        env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PYTHONUNBUFFERED="1",
+                   MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
+        proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), f"--output_dir={tmp_path}/out", *ARGS[:4],
+                               "--total_training_steps=2", "--test_freq=1", "--mlflow_system_metrics=true",
+                               "--mlflow_experiment=readback"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"open {uri} in a browser" in proc.stdout
+        client = MlflowClient(uri)
+        (run,) = client.search_runs([client.get_experiment_by_name("readback").experiment_id])
+        run_id = run.info.run_id
+        assert run.data.params["total_training_steps"] == "2" and run.data.params["rollout_n"] == "2"
+        tags = run.data.tags
+        assert tags["world_size"] == "1" and tags["rollout_engine"] == "hf" and "version.transformers" in tags
+        if (ROOT / ".git").exists():
+            assert len(tags["mlflow.source.git.commit"]) == 40
+        assert sorted(m.step for m in client.get_metric_history(run_id, "reward/score_mean")) == [1, 2]
+        assert sorted(m.step for m in client.get_metric_history(run_id, "val/accuracy")) == [0, 1, 2]
+        assert any(k.startswith("system/") for k in run.data.metrics), sorted(run.data.metrics)
+        inputs = {(d.dataset.name, t.value) for d in run.inputs.dataset_inputs for t in d.tags
+                  if t.key == "mlflow.data.context"}
+        assert {("train.parquet", "training"), ("val.parquet", "validation")} <= inputs
+        artifacts = {a.path for a in client.list_artifacts(run_id)}
+        assert {"config.yaml", "curves.png", "samples"} <= artifacts
+        samples = {a.path for a in client.list_artifacts(run_id, "samples")}
+        assert {"samples/step_000000.json", "samples/step_000002.json"} <= samples
+        mlflow.set_tracking_uri(uri)
+        pipe = mlflow.transformers.load_model(tags["model_uri"])
+        text = pipe("12+34=", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+        assert text.startswith("12+34=")
+    finally:
+        stop_server(server)
