@@ -98,8 +98,9 @@ def test_short_run_mlflow_run_reads_back(short_run):
     logged = read_metrics(out)
     assert {m.step: m.value for m in history} == pytest.approx({r["step"]: r["reward/score_mean"] for r in logged[1:]})
     artifacts = {a.path for a in client.list_artifacts(run_.info.run_id)}
-    assert {"config.yaml", "curves.png", "final", "samples"} <= artifacts
+    assert {"config.yaml", "curves.png", "samples"} <= artifacts
     tags = run_.data.tags   # what ran, so runs can be compared across machines and versions
+    assert tags["model_uri"].startswith("models:/")   # the final model, as an MLflow transformers model
     assert tags["world_size"] == "1" and tags["zero_stage"] == "none" and tags["rollout_engine"] == "hf"
     assert {"version.torch", "version.transformers", "version.deepspeed", "version.mlflow"} <= set(tags)
 
