@@ -21,6 +21,7 @@ import difflib
 import importlib
 import json
 import math
+import os
 import sys
 import time
 import typing
@@ -57,11 +58,14 @@ class Config:
     ref_model_path: str = opt("", "frozen reference model for KL. '' = the actor's initial weights")
     reward_model_path: str = opt("", "reward model (sequence classifier, 1 label); when set, replaces reward_fn")
     reward_fn: str = opt("rewards.arithmetic:compute_score", "'module:function' called as fn(prompts, responses) -> list of floats")
+    # reward shaping
     reward_clip: float = opt(0.0, "clip each sequence score to [-reward_clip, reward_clip] (after shaping); 0 = off")
     overlong_buffer_len: int = opt(0, "DAPO overlong shaping: penalise responses longer than max_response_length - this; 0 = off")
     overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: the penalty at max_response_length")
     truncation_penalty: float = opt(0.0, "subtracted from the score of a response cut at max_response_length without EOS")
+    # precision
     dtype: str = opt("fp32", "fp32 | bf16 (bf16 autocast for forward passes; weights and optimizer stay fp32)")
+    # LoRA
     lora_rank: int = opt(0, "train the actor as LoRA adapters of this rank (PEFT); the reference is then the base "
                             "model with the adapters disabled (no second copy); 0 = full fine-tuning")
     lora_alpha: float = opt(16.0, "LoRA scaling numerator (scale = lora_alpha / lora_rank)")
@@ -74,7 +78,7 @@ class Config:
     max_prompt_length: int = opt(16, "prompt tokens at most")
     prompt_truncation: str = opt("error", "what to do with a longer prompt: error | left (keep its last tokens)")
     max_response_length: int = opt(4, "response tokens at most")
-    # SFT mix (InstructGPT's PPO-ptx): supervised data in the actor update, against forgetting
+    # SFT mix (InstructGPT's PPO-ptx): supervised data in the actor update
     sft_files: str = opt("", "supervised data mixed into every actor mini-batch: parquet or jsonl files with prompt and "
                              "response columns, comma-separated; '' = off")
     sft_prompt_key: str = opt("prompt", "SFT: the prompt column (a string, or a list of chat messages)")
@@ -108,6 +112,7 @@ class Config:
     entropy_recover: float = opt(0.0, "entropy_floor: undo the reaction once actor/entropy rises above this "
                                       "(> entropy_floor); 0 = keep it for the rest of the run")
     skip_nonfinite_rewards: bool = opt(False, "a NaN/inf score drops that sample from the update instead of stopping the run")
+    # tracking
     mlflow_tracking_uri: str = opt("", "MLflow tracking URI; '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir")
     mlflow_experiment: str = opt("ppo", "MLflow experiment name")
     run_name: str = opt("", "MLflow run name; '' = the output_dir's name")
@@ -398,11 +403,56 @@ def _split_files(files: str) -> list[str]:
     return [f.strip() for f in files.split(",") if f.strip()]
 
 
+def config_sections() -> list[tuple[str, list]]:
+    """Config's fields grouped under the `# section` comments of its source, in order: the one
+    source of --help and of the README's config reference."""
+    import inspect
+    import re
+    fields, sections = {f.name: f for f in dataclasses.fields(Config)}, []
+    for line in inspect.getsource(Config).splitlines():
+        if line.startswith("    # "):
+            sections.append((line.strip()[2:], []))
+        elif (m := re.match(r"    (\w+):", line)) and m.group(1) in fields:
+            sections[-1][1].append(fields[m.group(1)])
+    return sections
+
+
+def _type_name(f) -> str:
+    kind = typing.get_type_hints(Config)[f.name]
+    if typing.get_origin(kind) is typing.Union:
+        return " | ".join("None" if a is type(None) else a.__name__ for a in typing.get_args(kind))
+    return kind.__name__
+
+
+def _default_text(f) -> str:
+    value = f.default
+    if isinstance(value, str) and value.startswith(str(HERE)):
+        value = os.path.relpath(value, HERE)   # the demo's files, shipped next to this script
+    return repr(value) if isinstance(value, str) else str(value)
+
+
 def config_help() -> str:
-    lines = ["usage: train_ppo.py [--config FILE.yaml ...] [--key=value ...]", "", "keys (default):"]
-    for f in dataclasses.fields(Config):
-        lines.append(f"  --{f.name:32s} {f.metadata['help']} ({f.default!r})")
+    lines = ["usage: train_ppo.py [--config FILE.yaml ...] [--key=value ...]",
+             "Later --config files override earlier ones; --key=value overrides them all.", ""]
+    for section, fields in config_sections():
+        lines.append(f"{section}:")
+        for f in fields:
+            lines.append(f"  --{f.name} {_type_name(f)} (default {_default_text(f)})")
+            lines.append(f"      {f.metadata['help']}")
+        lines.append("")
     return "\n".join(lines)
+
+
+def config_reference() -> str:
+    """The README's config reference (markdown), generated from the same source as --help."""
+    out = []
+    for section, fields in config_sections():
+        out += [f"**{section}**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for f in fields:
+            text = f.metadata["help"].replace("|", "\\|")
+            out.append(f"| `{f.name}` | {_type_name(f).replace('|', 'or')} | `{_default_text(f)}` | {text} |")
+        out.append("")
+    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,25 @@
+"""The README's config reference and --help come from the Config dataclass; they cannot drift."""
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import train_ppo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_config_reference_is_current():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "config_reference.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_help_lists_every_key_once_under_a_section():
+    proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0
+    names = [f.name for f in dataclasses.fields(train_ppo.Config)]
+    listed = [line.split()[0][2:] for line in proc.stdout.splitlines() if line.startswith("  --")]
+    assert sorted(listed) == sorted(names)
+    sections = train_ppo.config_sections()
+    assert len(sections) >= 10 and all(fields for _, fields in sections)
