@@ -23,6 +23,8 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()                      # "Loading weights" / "Writing model shards" bars
+    from huggingface_hub.utils import disable_progress_bars
+    disable_progress_bars()
     if rank != 0:   # the same library warning on every rank says nothing new
         hf_logging.set_verbosity_error()
         warnings.filterwarnings("ignore")

@@ -127,7 +127,11 @@ class Tracker:
             return
         from importlib.metadata import version
 
+        import logging
+
         import mlflow.transformers
+        # not its notes that a local directory has no model card or license on the hub
+        logging.getLogger("mlflow.transformers").setLevel(logging.ERROR)
         info = mlflow.transformers.log_model(
             transformers_model=str(final_dir), name="model", task="text-generation",
             pip_requirements=[f"{lib}=={version(lib)}" for lib in ("torch", "transformers", "accelerate")])
@@ -135,11 +139,15 @@ class Tracker:
 
 
 def _log_dataset(mlflow, path: str, context: str) -> None:
+    import warnings
+
     import mlflow.data
     import pandas as pd
     frame = pd.read_parquet(path) if path.endswith(".parquet") else pd.read_json(path, lines=True)
-    mlflow.log_input(mlflow.data.from_pandas(frame, source=str(Path(path).resolve()), name=Path(path).name),
-                     context=context)
+    with warnings.catch_warnings():   # a local path "can be interpreted in multiple ways" (all the same one)
+        warnings.simplefilter("ignore")
+        dataset = mlflow.data.from_pandas(frame, source=str(Path(path).resolve()), name=Path(path).name)
+    mlflow.log_input(dataset, context=context)
 
 
 class MetricSender:
