@@ -60,6 +60,7 @@ class Plan:
     seq_len: int                      # max_prompt_length + max_response_length
     gen_batch: int                    # hf engine: sequences per generate() call
     gradient_checkpointing: bool
+    critic_gradient_checkpointing: bool
     engine: str                       # hf | vllm
     gpu_memory_utilization: float
     kv_cache_gb: float
@@ -122,7 +123,8 @@ def rows_for(plan: Plan, world: int) -> list[tuple[str, float, str]]:
         if m is not None:
             rows.append((f"{name} weights", shard(m.params * frozen_b, 3), "host" if off and z == 3 else device))
     act_b = 2 if plan.bf16 else 4
-    for name, m, micro in (("actor", plan.actor, plan.micro_batch), ("critic", plan.critic, plan.critic_micro_batch)):
+    for name, m, micro, ckpt_on in (("actor", plan.actor, plan.micro_batch, plan.gradient_checkpointing),
+                                    ("critic", plan.critic, plan.critic_micro_batch, plan.critic_gradient_checkpointing)):
         if m is None:
             continue
         tokens = micro * plan.seq_len
@@ -130,9 +132,9 @@ def rows_for(plan: Plan, world: int) -> list[tuple[str, float, str]]:
         per_layer = tokens * (6 * m.hidden + 2 * m.kv_width + 4 * m.intermediate + scores) * act_b
         full = per_layer * m.layers
         ckpt = tokens * m.hidden * act_b * m.layers + per_layer
-        rows.append((f"{name} activations, one micro-batch" + (" (checkpointed)" if plan.gradient_checkpointing else ""),
-                     ckpt if plan.gradient_checkpointing else full, device))
-        if not plan.gradient_checkpointing:
+        rows.append((f"{name} activations, one micro-batch" + (" (checkpointed)" if ckpt_on else ""),
+                     ckpt if ckpt_on else full, device))
+        if not ckpt_on:
             rows.append((f"  (with gradient_checkpointing: {ckpt / GiB:.2f} GiB)", 0.0, device))
         if name == "actor":
             rows.append(("actor logits, one micro-batch", 3 * tokens * m.vocab * 4, device))

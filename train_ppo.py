@@ -77,7 +77,8 @@ class Config:
     val_files: str = opt(str(HERE / "examples/data/val.parquet"), "validation prompts (same format); '' = no validation")
     prompt_key: str = opt("prompt", "column holding the prompt: a string, or a list of chat messages")
     max_prompt_length: int = opt(16, "prompt tokens at most")
-    prompt_truncation: str = opt("error", "what to do with a longer prompt: error | left (keep its last tokens)")
+    prompt_truncation: str = opt("error", "what to do with a longer prompt: error | left (keep its last tokens) | "
+                                          "drop (leave the row out, counted in the log; verl's filter_overlong_prompts)")
     max_response_length: int = opt(4, "response tokens at most")
     # SFT mix (InstructGPT's PPO-ptx): supervised data in the actor update
     sft_files: str = opt("", "supervised data mixed into every actor mini-batch: parquet or jsonl files with prompt and "
@@ -150,6 +151,8 @@ class Config:
     critic_lr: float = opt(1e-4, "critic learning rate (AdamW)")
     weight_decay: float = opt(0.0, "AdamW weight decay, actor and critic")
     lr_warmup_steps: int = opt(0, "linear learning-rate warmup over this many steps (actor and critic)")
+    lr_warmup_steps_ratio: float = opt(0.0, "warmup as a fraction of total_training_steps, when lr_warmup_steps is 0 "
+                                            "(verl's lr_warmup_steps_ratio)")
     lr_scheduler_type: str = opt("constant", "after warmup: constant | cosine (decays to min_lr_ratio x lr by the last step)")
     min_lr_ratio: float = opt(0.0, "cosine schedule: the final learning rate as a fraction of the initial one")
     max_grad_norm: float = opt(1.0, "actor gradient clipping (global norm)")
@@ -159,6 +162,9 @@ class Config:
     ppo_epochs: int = opt(2, "passes over each iteration's rollouts")
     ppo_mini_batch_size: int = opt(32, "prompts per optimizer step (x rollout_n sequences)")
     ppo_micro_batch_size_per_device: int = opt(128, "sequences per forward/backward on one device")
+    log_prob_micro_batch_size_per_device: typing.Optional[int] = opt(
+        None, "sequences per no-grad forward pass (old and reference log-probs, values; nothing kept for a backward "
+              "pass, so it can be larger); None = ppo_micro_batch_size_per_device")
     use_dynamic_bsz: bool = opt(False, "form micro-batches by token budget instead of a sequence count")
     ppo_max_token_len_per_device: int = opt(16384, "use_dynamic_bsz: prompt+response tokens per micro-batch")
     critic_ppo_mini_batch_size: typing.Optional[int] = opt(None, "critic: prompts per optimizer step; None = ppo_mini_batch_size")
@@ -167,8 +173,10 @@ class Config:
     critic_ppo_epochs: typing.Optional[int] = opt(None, "critic: passes over each iteration's rollouts; None = ppo_epochs")
     critic_ppo_max_token_len_per_device: typing.Optional[int] = opt(
         None, "critic, use_dynamic_bsz: tokens per micro-batch; None = ppo_max_token_len_per_device")
-    gradient_checkpointing: bool = opt(False, "recompute the actor's and critic's activations in the backward pass "
-                                              "instead of keeping them: less memory, about a third more compute")
+    gradient_checkpointing: bool = opt(False, "recompute the actor's activations in the backward pass instead of "
+                                              "keeping them: less memory, about a third more compute")
+    critic_gradient_checkpointing: typing.Optional[bool] = opt(None, "the same for the critic; None = "
+                                                                     "gradient_checkpointing")
     ref_offload: bool = opt(False, "DeepSpeed ZeRO-3: keep the reference model's parameters in CPU memory")
     reward_offload: bool = opt(False, "DeepSpeed ZeRO-3: keep the reward model's parameters in CPU memory")
     # advantages and rewards
@@ -314,7 +322,8 @@ def validate_config(cfg: Config) -> None:
     need(cfg.loss_agg_mode in LOSS_AGG_MODES, f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {cfg.loss_agg_mode!r}")
     need(cfg.dtype in ("fp32", "bf16"), f"dtype must be fp32 or bf16, got {cfg.dtype!r}")
     need(cfg.rollout_engine in ("hf", "vllm"), f"rollout_engine must be hf or vllm, got {cfg.rollout_engine!r}")
-    need(cfg.prompt_truncation in ("error", "left"), f"prompt_truncation must be error or left, got {cfg.prompt_truncation!r}")
+    need(cfg.prompt_truncation in ("error", "left", "drop"),
+         f"prompt_truncation must be error, left or drop, got {cfg.prompt_truncation!r}")
     need(cfg.temperature > 0, f"temperature must be > 0 for rollouts, got {cfg.temperature}")
     need(cfg.lr_scheduler_type in ("constant", "cosine"),
          f"lr_scheduler_type must be constant or cosine, got {cfg.lr_scheduler_type!r}")
@@ -334,6 +343,7 @@ def validate_config(cfg: Config) -> None:
     for key in ("actor_lr", "critic_lr", "max_grad_norm", "critic_max_grad_norm", "rollout_kv_cache_gb",
                 "rollout_sync_bucket_mb", "ppo_max_token_len_per_device"):
         need(getattr(cfg, key) > 0, f"{key} must be > 0, got {getattr(cfg, key)}")
+    need(0 <= cfg.lr_warmup_steps_ratio <= 1, f"lr_warmup_steps_ratio must be in [0, 1], got {cfg.lr_warmup_steps_ratio}")
     for key in ("weight_decay", "lr_warmup_steps", "critic_warmup", "kl_coef", "kl_loss_coef", "log_samples",
                 "reward_clip"):
         need(getattr(cfg, key) >= 0, f"{key} must be >= 0, got {getattr(cfg, key)}")
@@ -350,7 +360,7 @@ def validate_config(cfg: Config) -> None:
         value = getattr(cfg, key)
         need(value is None or value > 0, f"{key} must be > 0, got {value}")
     for key in ("critic_ppo_mini_batch_size", "critic_ppo_micro_batch_size_per_device", "critic_ppo_epochs",
-                "critic_ppo_max_token_len_per_device"):
+                "critic_ppo_max_token_len_per_device", "log_prob_micro_batch_size_per_device"):
         need(getattr(cfg, key) is None or getattr(cfg, key) > 0, f"{key} must be > 0 (or None), got {getattr(cfg, key)}")
     for role in ("actor", "critic"):
         sched, key = schedule(cfg, role), "ppo_mini_batch_size" if role == "actor" else "critic_ppo_mini_batch_size"
@@ -398,6 +408,10 @@ def schedule(cfg: Config, role: str) -> Schedule:
         return getattr(cfg, key) if value is None else value
     return Schedule(own("ppo_mini_batch_size"), own("ppo_micro_batch_size_per_device"), own("ppo_epochs"),
                     own("ppo_max_token_len_per_device") if cfg.use_dynamic_bsz else 0)
+
+
+def critic_checkpointing(cfg: Config) -> bool:
+    return cfg.gradient_checkpointing if cfg.critic_gradient_checkpointing is None else cfg.critic_gradient_checkpointing
 
 
 def _split_files(files: str) -> list[str]:
@@ -766,19 +780,30 @@ def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str,
             if column not in frame.columns:
                 raise UserError(f"{path}: no column {column!r}, which reward_fn {reward_fn} takes; its columns are "
                                 f"{list(frame.columns)}")
-            out.columns[column] += frame[column].tolist()
+        kept = []
         for row, prompt in enumerate(frame[key]):
             text = _render_prompt(prompt, tokenizer, path, row)
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
             if not tokens:
                 raise UserError(f"{path}: row {row} has an empty prompt")
             if len(tokens) > max_len:
+                if truncation == "drop":
+                    continue
                 if truncation != "left":
                     raise UserError(f"{path}: row {row} has a prompt of {len(tokens)} tokens > max_prompt_length="
-                                    f"{max_len} (raise it, or set prompt_truncation=left)")
+                                    f"{max_len} (raise it, or set prompt_truncation=left or drop)")
                 tokens = tokens[-max_len:]
+            kept.append(row)
             out.texts.append(text)
             out.ids.append(tokens)
+        for column in columns:
+            values = frame[column].tolist()
+            out.columns[column] += [values[i] for i in kept]
+        if len(kept) < len(frame):
+            print(f"{path}: {len(frame) - len(kept)} of {len(frame)} prompts are longer than max_prompt_length="
+                  f"{max_len} and left out (prompt_truncation=drop)", file=sys.stderr, flush=True)
+            if not kept:
+                raise UserError(f"{path}: every prompt is longer than max_prompt_length={max_len}")
     return out
 
 
@@ -1044,10 +1069,9 @@ def load_models(cfg: Config):
     for model in (actor, critic, ref, reward_model):
         if model is not None:
             model.eval()
-    if cfg.gradient_checkpointing:   # armed here, active only inside recompute_activations()
-        for model in (actor, critic):
-            if model is not None:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for model, on in ((actor, cfg.gradient_checkpointing), (critic, critic_checkpointing(cfg))):
+        if model is not None and on:   # armed here, active only inside recompute_activations()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return tokenizer, actor, critic, ref, reward_model
 
 
@@ -1092,7 +1116,8 @@ def make_optimizer(model, lr: float, cfg: Config):
     """AdamW and its schedule, which steps once per training step."""
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: lr_factor(
-        step, cfg.lr_warmup_steps, cfg.total_training_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio))
+        step, cfg.lr_warmup_steps or int(cfg.lr_warmup_steps_ratio * cfg.total_training_steps),
+        cfg.total_training_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio))
     return optim, sched
 
 
@@ -1734,7 +1759,7 @@ class Rollouts:
 def collect(run: Run, idx: list[int], engine, temperature: float, times: dict) -> Rollouts:
     """Phases 1-3 on this rank's prompts idx: generate, score, forward passes."""
     cfg, accelerator, tokenizer, device = run.cfg, run.accelerator, run.tokenizer, run.accelerator.device
-    micro = cfg.ppo_micro_batch_size_per_device
+    micro = cfg.log_prob_micro_batch_size_per_device or cfg.ppo_micro_batch_size_per_device   # no-grad passes
     prompts = run.train.take(idx, cfg.rollout_n)                                   # one row per response
 
     # 1 generate: rollout_n responses per prompt, prompt-major order
@@ -1829,7 +1854,7 @@ def train_step(run: Run, step: int) -> dict:
     with timed(times, "update"):
         if run.critic is not None:
             critic, critic_optim, critic_sched = run.trained["critic"]
-            with recompute_activations(critic, cfg.gradient_checkpointing):
+            with recompute_activations(critic, critic_checkpointing(cfg)):
                 metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, run.autocast, run.ds))
             critic_sched.step()
         if step >= cfg.critic_warmup:   # verl: update the actor once global_steps >= critic_warmup
@@ -2054,7 +2079,8 @@ def dry_run(cfg: Config) -> bool:
         ref_offload=cfg.ref_offload, reward_offload=cfg.reward_offload, bf16=cfg.dtype == "bf16",
         micro_batch=schedule(cfg, "actor").micro_batch, critic_micro_batch=schedule(cfg, "critic").micro_batch,
         seq_len=cfg.max_prompt_length + cfg.max_response_length, gen_batch=cfg.rollout_micro_batch_size,
-        gradient_checkpointing=cfg.gradient_checkpointing, engine=cfg.rollout_engine,
+        gradient_checkpointing=cfg.gradient_checkpointing, critic_gradient_checkpointing=critic_checkpointing(cfg),
+        engine=cfg.rollout_engine,
         gpu_memory_utilization=cfg.rollout_gpu_memory_utilization, kv_cache_gb=cfg.rollout_kv_cache_gb,
         gpu_bytes=gpu, host_bytes=host, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
         baseline_bytes=baseline)

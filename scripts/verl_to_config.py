@@ -68,6 +68,12 @@ def _resume_mode(value):
     return {"auto": "auto", "disable": "never"}.get(value, value)
 
 
+def _filter_overlong(value):
+    if value is True:
+        return "drop"                           # verl drops prompts over max_prompt_length before training
+    raise NotCarried("false is verl's default: data.truncation decides (carried from it)")
+
+
 def _greedy_validation(value):
     if value is False:
         return 0.0                              # do_sample=false: greedy, whatever the temperature
@@ -87,6 +93,7 @@ MAPPING = {
     "data.max_prompt_length": "max_prompt_length",
     "data.max_response_length": "max_response_length",
     "data.train_batch_size": "train_batch_size",
+    "data.filter_overlong_prompts": ("prompt_truncation", _filter_overlong),   # before data.truncation: it wins
     "data.truncation": ("prompt_truncation", _one_of("error", "left")),
     "data.seed": "seed",
     # models
@@ -94,6 +101,8 @@ MAPPING = {
     "actor_rollout_ref.model.lora_rank": "lora_rank",
     "actor_rollout_ref.model.lora_alpha": "lora_alpha",
     "actor_rollout_ref.model.target_modules": "lora_target_modules",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "gradient_checkpointing",
+    "critic.model.enable_gradient_checkpointing": "critic_gradient_checkpointing",
     "actor_rollout_ref.ref.fsdp_config.param_offload": "ref_offload",
     "critic.model.path": ("critic_model_path", _path),
     "reward_model.model.path": ("reward_model_path", _path),
@@ -104,6 +113,8 @@ MAPPING = {
     A + "optim.lr": "actor_lr",
     A + "optim.weight_decay": "weight_decay",
     A + "optim.lr_warmup_steps": ("lr_warmup_steps", _warmup_steps),
+    A + "optim.lr_warmup_steps_ratio": "lr_warmup_steps_ratio",
+    A + "optim.min_lr_ratio": "min_lr_ratio",
     A + "optim.warmup_style": "lr_scheduler_type",
     A + "optim.lr_scheduler_type": "lr_scheduler_type",
     A + "ppo_mini_batch_size": "ppo_mini_batch_size",
@@ -132,10 +143,18 @@ MAPPING = {
     R + "response_length": "max_response_length",
     R + "val_kwargs.do_sample": ("val_temperature", _greedy_validation),   # before .temperature: it wins
     R + "val_kwargs.temperature": "val_temperature",
+    R + "val_kwargs.top_p": "top_p",
+    R + "val_kwargs.top_k": ("top_k", _top_k),
+    R + "gpu_memory_utilization": "rollout_gpu_memory_utilization",
+    R + "log_prob_micro_batch_size_per_gpu": "log_prob_micro_batch_size_per_device",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "log_prob_micro_batch_size_per_device",
+    R + "enforce_eager": "rollout_enforce_eager",
+    R + "free_cache_engine": "rollout_sleep",
     # critic (shared keys must agree with the actor's: the toolkit has one value for both)
     "critic.optim.lr": "critic_lr",
     "critic.optim.weight_decay": "weight_decay",
     "critic.optim.lr_warmup_steps": ("lr_warmup_steps", _warmup_steps),
+    "critic.optim.lr_warmup_steps_ratio": "lr_warmup_steps_ratio",
     "critic.grad_clip": "critic_max_grad_norm",
     "critic.cliprange_value": "cliprange_value",
     "critic.ppo_mini_batch_size": "critic_ppo_mini_batch_size",            # the critic's own schedule
@@ -168,6 +187,7 @@ MAPPING = {
     "trainer.default_local_dir": ("output_dir", _path),
     "trainer.project_name": "mlflow_experiment",
     "trainer.experiment_name": "run_name",
+    "trainer.log_val_generations": "log_samples",
 }
 
 # verl keys that only switch others on: carried as the keys they enable (verl's default is off).
@@ -176,6 +196,29 @@ GATES = {
     "reward_model.model.fsdp_config.param_offload": "reward_model.enable",
     "reward_model.overlong_buffer.len": "reward_model.overlong_buffer.enable",
     "reward_model.overlong_buffer.penalty_factor": "reward_model.overlong_buffer.enable",
+}
+
+# verl's global micro-batch sizes (deprecated there): divided by trainer.n_gpus_per_node x trainer.nnodes, as verl does.
+PER_GPU = {
+    A + "ppo_micro_batch_size": "ppo_micro_batch_size_per_device",
+    "critic.ppo_micro_batch_size": "critic_ppo_micro_batch_size_per_device",
+    R + "log_prob_micro_batch_size": "log_prob_micro_batch_size_per_device",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": "log_prob_micro_batch_size_per_device",
+}
+
+# verl keys whose every value this toolkit already honours in its own way: nothing to set.
+ALWAYS = {
+    "*.use_remove_padding": "the toolkit always trims each micro-batch to its own longest sequence and groups "
+                            "similar lengths, in the training and the no-grad passes",
+    "actor_rollout_ref.hybrid_engine": "generation and training always share the GPUs (vLLM sleeps while the "
+                                       "models train)",
+    "data.return_raw_chat": "prompts given as chat messages are always rendered with the tokenizer's chat template",
+}
+
+# verl values that are this toolkit's behaviour (a pattern: every key it matches); another value is not carried.
+FIXED_PATTERNS = {
+    "*fsdp_config.*offload": (False, "nothing is offloaded unless the accelerate config says so"),
+    R + "tensor_model_parallel_size": (1, "vLLM runs colocated, one engine per rank"),
 }
 
 # verl values that are this toolkit's fixed behaviour: nothing to set when the value matches.
@@ -196,11 +239,11 @@ HINTS = {
     "trainer.nnodes": "set by `accelerate launch --num_machines`",
     "trainer.logger": "the toolkit always writes metrics.jsonl and an MLflow run",
     "*fsdp_config.*": "sharding and offload come from the accelerate config (accelerate_configs/, ds_configs/)",
-    "*log_prob_micro_batch_size*": "the toolkit's forward passes use ppo_micro_batch_size_per_device",
     "*ulysses_sequence_parallel_size": "no sequence parallelism",
     R + "tensor_model_parallel_size": "vLLM runs colocated, one engine per rank, without tensor parallelism",
     "*.lr_warmup_steps_ratio": "set lr_warmup_steps = ratio x total_training_steps",
-    "*ppo_micro_batch_size": "verl's global micro-batch: set ppo_micro_batch_size_per_device = it / number of GPUs",
+    "*ppo_micro_batch_size": "verl's global micro-batch: give trainer.n_gpus_per_node (and nnodes) to divide it",
+    "*log_prob_micro_batch_size": "verl's global micro-batch: give trainer.n_gpus_per_node (and nnodes) to divide it",
     "custom_reward_function.*": "verl reward functions take (data_source, solution_str, ground_truth, extra_info); "
                                 "set reward_fn to a toolkit function, e.g. rewards.gsm8k:compute_score",
     "reward_model.reward_manager": "one reward function per run: set reward_fn",
@@ -208,6 +251,24 @@ HINTS = {
     "*profiler*": "no profiler settings",
     "ray_kwargs.*": "no Ray",
     "trainer.resume_from_path": "a verl checkpoint cannot be resumed here",
+    R + "multi_turn.*": "no multi-turn (tool-calling) rollouts",
+    R + "mode": "rollouts are synchronous, in-process",
+    "*.strategy": "the toolkit trains with DeepSpeed ZeRO through Accelerate (accelerate_configs/), not FSDP/Megatron",
+    "*megatron.*": "no Megatron parallelism",
+    "data.val_batch_size": "each rank validates its whole share of val_files at once",
+    "*log_prob_max_token_len_per_gpu": "the no-grad passes use the actor's token budget (ppo_max_token_len_per_device)",
+    "*forward_max_token_len_per_gpu": "the no-grad passes use the actor's and critic's token budgets",
+    "*log_prob_use_dynamic_bsz": "the no-grad passes batch like the update (use_dynamic_bsz)",
+    "reward_model.micro_batch_size*": "the reward model scores in ppo_micro_batch_size_per_device micro-batches",
+    "reward_model.use_dynamic_bsz": "the reward model scores in ppo_micro_batch_size_per_device micro-batches",
+    R + "max_num_batched_tokens": "vLLM's scheduler defaults are used",
+    R + "max_num_seqs": "vLLM's scheduler defaults are used",
+    R + "enable_chunked_prefill": "vLLM's scheduler defaults are used",
+    R + "load_format": "vLLM gets the actor's weights in process after every update",
+    R + "layered_summon": "LoRA weights are merged and sent layer by layer already",
+    R + "dtype": "the rollout follows dtype",
+    "trainer.use_legacy_worker_impl": "verl's worker internals",
+    "*.checkpoint.*": "checkpoints always hold weights, optimizer states and every RNG (see save_freq)",
 }
 
 
@@ -336,6 +397,39 @@ def translate(flat: dict) -> Translation:
             enables = [k for k, g in GATES.items() if g == key and k in flat]
             out.used.append((key, value, f"switches on {', '.join(enables)}" if value is True and enables
                              else "a switch: what it enables is carried only when it is true"))
+            continue
+        always = next((why for pattern, why in ALWAYS.items() if fnmatch.fnmatchcase(key, pattern)), None)
+        if always:
+            out.used.append((key, value, always))
+            continue
+        if key == "data.truncation" and flat.get("data.filter_overlong_prompts") is True:
+            out.used.append((key, value, "moot: data.filter_overlong_prompts drops over-long prompts first"))
+            continue
+        if key in PER_GPU:
+            gpus = flat.get("trainer.n_gpus_per_node")
+            nodes = flat.get("trainer.nnodes", 1)
+            if isinstance(gpus, int) and isinstance(nodes, int) and isinstance(value, int) and value % (gpus * nodes) == 0:
+                target = PER_GPU[key]
+                if target in out.carried and out.carried[target][0] != value // (gpus * nodes):
+                    out.not_carried.append((key, value, f"conflicts with {out.carried[target][1]}: the toolkit has "
+                                                        f"one {target}"))
+                elif target not in out.carried:
+                    out.carried[target] = (value // (gpus * nodes), key, f"{value} / ({gpus} GPUs x {nodes} nodes)")
+                else:
+                    out.used.append((key, value, f"same {target} as {out.carried[target][1]}"))
+                continue
+        fixed = next(((v, why) for pattern, (v, why) in FIXED_PATTERNS.items() if fnmatch.fnmatchcase(key, pattern)),
+                     None)
+        if fixed is not None and value == fixed[0] and type(value) is type(fixed[0]):
+            out.used.append((key, value, fixed[1]))
+            continue
+        if key == "trainer.logger":
+            extra = [x for x in (value if isinstance(value, list) else [value]) if x not in ("console", "mlflow")]
+            if extra:
+                out.not_carried.append((key, value, f"no {', '.join(map(str, extra))}: the toolkit writes the console, "
+                                                    "metrics.jsonl and an MLflow run"))
+            else:
+                out.used.append((key, value, "the toolkit always writes the console, metrics.jsonl and an MLflow run"))
             continue
         if key in FIXED:
             if value == FIXED[key] and type(value) is type(FIXED[key]):

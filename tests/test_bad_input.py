@@ -151,3 +151,27 @@ def test_grpo_with_kl_in_the_reward_is_warned_about():
     assert train_ppo.config_warnings(train_ppo.Config(adv_estimator="grpo", norm_adv_by_std_in_grpo=False)) == []
     assert train_ppo.config_warnings(load_config(["--config", str(Path(train_ppo.__file__).parent /
                                                                   "configs/demo_grpo.yaml")])) == []
+
+
+def test_prompt_truncation_drop_leaves_long_rows_out_with_their_columns(tmp_path, capsys):
+    """verl's filter_overlong_prompts: over-long prompts are left out (and counted), and the
+    reward function's columns stay aligned with the prompts that remain."""
+    data = tmp_path / "p.parquet"
+    pd.DataFrame({"prompt": ["1+1=", "123456789+987654321=", "2+2="], "ground_truth": ["2", "x", "4"]}).to_parquet(data)
+    prompts = load_prompts(str(data), "prompt", tokenizer(), 8, "drop", columns=("ground_truth",))
+    assert prompts.texts == ["1+1=", "2+2="] and prompts.columns["ground_truth"] == ["2", "4"]
+    assert "1 of 3 prompts are longer than max_prompt_length=8" in capsys.readouterr().err
+    only_long = tmp_path / "long.parquet"
+    pd.DataFrame({"prompt": ["123456789+987654321="]}).to_parquet(only_long)
+    assert "every prompt is longer" in message(lambda: load_prompts(str(only_long), "prompt", tokenizer(), 8, "drop"))
+
+
+def test_warmup_as_a_ratio_of_the_run():
+    """lr_warmup_steps_ratio=0.3 over 10 steps warms up like lr_warmup_steps=3."""
+    import torch
+    model = torch.nn.Linear(2, 2)
+    ratio = train_ppo.make_optimizer(model, 1.0, train_ppo.Config(lr_warmup_steps_ratio=0.3, total_training_steps=10))[1]
+    steps = train_ppo.make_optimizer(model, 1.0, train_ppo.Config(lr_warmup_steps=3, total_training_steps=10))[1]
+    plain = train_ppo.make_optimizer(model, 1.0, train_ppo.Config(total_training_steps=10))[1]
+    factors = [[s.lr_lambdas[0](i) for i in range(5)] for s in (ratio, steps, plain)]
+    assert factors[0] == factors[1] and factors[0] != factors[2]

@@ -49,7 +49,8 @@ def short_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("short")
     out = tmp / "out"
     proc = run(tmp, f"--output_dir={out}", "--total_training_steps=3", "--test_freq=2", "--use_kl_loss=true",
-               "--rollout_is=token", *FAST)
+               "--rollout_is=token", "--log_prob_micro_batch_size_per_device=32", "--critic_gradient_checkpointing=true",
+               *FAST)
     return tmp, out, proc
 
 

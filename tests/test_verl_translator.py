@@ -156,6 +156,7 @@ def test_mapped_values(workspace, capsys):
     assert (cfg["mlflow_experiment"], cfg["run_name"]) == ("gsm8k_ppo", "run1")
     assert (cfg["test_freq"], cfg["critic_warmup"], cfg["val_before_train"]) == (5, 2, False)
     assert cfg["total_training_steps"] == 9                       # 3 epochs x (100 rows // 32)
+    assert cfg["log_prob_micro_batch_size_per_device"] == 16
 
 
 def test_unmapped_keys_are_listed_with_their_values(workspace, capsys):
@@ -164,7 +165,6 @@ def test_unmapped_keys_are_listed_with_their_values(workspace, capsys):
     for line in ["data.truncation = middle",
                  "actor_rollout_ref.actor._target_ = verl.workers.config.FSDPActorConfig",
                  "actor_rollout_ref.rollout.tensor_model_parallel_size = 2",
-                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 16",
                  "actor_rollout_ref.rollout.val_kwargs.temperature = 0.6",
                  "critic.optim.weight_decay = 0.0",             # conflicts with the actor's 0.01
                  "trainer.logger = [console, wandb]",
@@ -267,3 +267,62 @@ def test_bad_value_types_are_not_carried():
 def test_a_bad_override_is_an_error():
     with pytest.raises(SystemExit):
         v2c.read_verl([], ["data.train_batch_size"])
+
+
+@pytest.mark.parametrize("override, key, value", [
+    ("actor_rollout_ref.rollout.gpu_memory_utilization=0.4", "rollout_gpu_memory_utilization", 0.4),
+    ("actor_rollout_ref.rollout.enforce_eager=True", "rollout_enforce_eager", True),
+    ("actor_rollout_ref.rollout.free_cache_engine=False", "rollout_sleep", False),
+    ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32", "log_prob_micro_batch_size_per_device", 32),
+    ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32", "log_prob_micro_batch_size_per_device", 32),
+    ("actor_rollout_ref.model.enable_gradient_checkpointing=True", "gradient_checkpointing", True),
+    ("critic.model.enable_gradient_checkpointing=True", "critic_gradient_checkpointing", True),
+    ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1", "lr_warmup_steps_ratio", 0.1),
+    ("critic.optim.lr_warmup_steps_ratio=0.1", "lr_warmup_steps_ratio", 0.1),
+    ("actor_rollout_ref.actor.optim.min_lr_ratio=0.1", "min_lr_ratio", 0.1),
+    ("data.filter_overlong_prompts=True", "prompt_truncation", "drop"),
+    ("trainer.log_val_generations=10", "log_samples", 10),
+    ("actor_rollout_ref.rollout.val_kwargs.top_p=0.9", "top_p", 0.9),
+])
+def test_each_added_mapping(override, key, value):
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], [override])))
+    assert t.carried[key][:2] == (value, override.split("=")[0]) and not t.not_carried
+
+
+def test_global_micro_batches_are_divided_by_the_gpus_as_verl_does():
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], [
+        "actor_rollout_ref.actor.ppo_micro_batch_size=128", "critic.ppo_micro_batch_size=256",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size=256", "trainer.n_gpus_per_node=8"])))
+    assert t.carried["ppo_micro_batch_size_per_device"][0] == 16
+    assert t.carried["critic_ppo_micro_batch_size_per_device"][0] == 32
+    assert t.carried["log_prob_micro_batch_size_per_device"][0] == 32
+    alone = v2c.translate(v2c.resolve(v2c.read_verl([], ["actor_rollout_ref.actor.ppo_micro_batch_size=128"])))
+    assert "n_gpus_per_node" in alone.not_carried[0][2]          # cannot divide without the GPU count
+
+
+def test_settings_that_are_already_the_toolkits_behaviour_are_consumed():
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], [
+        "actor_rollout_ref.model.use_remove_padding=True", "critic.model.use_remove_padding=False",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "data.filter_overlong_prompts=True", "data.truncation=error", "trainer.logger=[console]"])))
+    assert not t.not_carried
+    assert {key for key, _, _ in t.used} == {
+        "actor_rollout_ref.model.use_remove_padding", "critic.model.use_remove_padding",
+        "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        "data.truncation", "trainer.logger"}
+    other = v2c.translate(v2c.resolve(v2c.read_verl([], [
+        "actor_rollout_ref.actor.fsdp_config.param_offload=True", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "trainer.logger=[console,wandb]"])))
+    assert len(other.not_carried) == 3
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "tests" / "data" / "verl_scripts").glob("*.txt")),
+                         ids=lambda p: p.stem)
+def test_verl_published_ppo_scripts_are_mostly_carried(script):
+    """verl's own PPO launch scripts (their overrides): at least 4 in 5 keys are carried or already
+    the toolkit's behaviour, and each one that is not says why in specific terms."""
+    overrides = [ln.strip() for ln in script.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    flat = v2c.resolve(v2c.read_verl([], overrides))
+    t = v2c.translate(flat)
+    assert (len(flat) - len(t.not_carried)) / len(flat) >= 0.8, t.not_carried
+    assert all(why != "no counterpart in the toolkit" for _, _, why in t.not_carried), t.not_carried
