@@ -13,8 +13,8 @@ The figures are estimates of the largest terms, stated per component so they can
   max_response_length) kept for the backward pass, per decoder layer and token: about
   6 x hidden + 2 x kv width + 4 x intermediate values, plus on CPU 2 x heads x length attention
   scores (PyTorch's CPU attention keeps them; the GPU's fused kernels do not); with gradient checkpointing only each layer's input, plus
-  one layer's full set. The logits of a micro-batch (length x vocabulary) three times over:
-  the logits, the softmax's workspace, their gradient.
+  one layer's full set. The logits of a micro-batch (response positions only x vocabulary, fp32)
+  three times over: the logits, the softmax's workspace, their gradient.
 - generation: the hf engine's KV cache; vLLM's share (gpu_memory_utilization of the GPU, or its
   weights plus rollout_kv_cache_gb on CPU), which on a GPU coexists with the model states during
   generation (sleep mode only frees it while the models train).
@@ -58,6 +58,7 @@ class Plan:
     micro_batch: int                  # actor sequences per forward/backward on one device
     critic_micro_batch: int
     seq_len: int                      # max_prompt_length + max_response_length
+    response_len: int                 # max_response_length: only these positions reach the LM head
     gen_batch: int                    # hf engine: sequences per generate() call
     gradient_checkpointing: bool
     critic_gradient_checkpointing: bool
@@ -137,7 +138,7 @@ def rows_for(plan: Plan, world: int) -> list[tuple[str, float, str]]:
         if not ckpt_on:
             rows.append((f"  (with gradient_checkpointing: {ckpt / GiB:.2f} GiB)", 0.0, device))
         if name == "actor":
-            rows.append(("actor logits, one micro-batch", 3 * tokens * m.vocab * 4, device))
+            rows.append(("actor logits, one micro-batch", 3 * micro * (plan.response_len + 1) * m.vocab * 4, device))
     a = plan.actor
     if plan.engine == "hf":
         kv = 2 * plan.gen_batch * plan.seq_len * a.layers * a.kv_width * act_b
