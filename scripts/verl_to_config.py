@@ -36,11 +36,12 @@ class NotCarried(Exception):
 
 # ---- value converters (a converter returns the toolkit's value or raises NotCarried) -------------
 def _path(value):
+    """~ and $VARIABLES expanded"""
     return os.path.expanduser(os.path.expandvars(str(value)))
 
 
 def _files(value):
-    # verl takes one path or a list; the toolkit takes a comma-separated string
+    """a list of paths becomes one comma-separated string"""
     return ",".join(_path(v) for v in (value if isinstance(value, list) else [value]))
 
 
@@ -49,32 +50,38 @@ def _one_of(*allowed):
         if value not in allowed:
             raise NotCarried(f"the toolkit supports only {', '.join(map(str, allowed))}")
         return value
+    convert.__doc__ = f"only {', '.join(map(str, allowed))}"
     return convert
 
 
 def _top_k(value):
+    """0 and -1 (off) -> -1"""
     return -1 if value == 0 else value          # verl: 0 (hf) and -1 (vllm) both mean "off"
 
 
 def _warmup_steps(value):
+    """-1 (verl: use the ratio) is not carried"""
     if isinstance(value, int) and value < 0:
         raise NotCarried("verl's -1 means 'use lr_warmup_steps_ratio'; set lr_warmup_steps yourself")
     return value
 
 
 def _resume_mode(value):
+    """auto -> auto, disable -> never; resume_path is not carried"""
     if value == "resume_path":
         raise NotCarried("a verl checkpoint cannot be resumed here; set resume to one of this toolkit's checkpoints")
     return {"auto": "auto", "disable": "never"}.get(value, value)
 
 
 def _filter_overlong(value):
+    """true -> drop (wins over data.truncation)"""
     if value is True:
         return "drop"                           # verl drops prompts over max_prompt_length before training
     raise NotCarried("false is verl's default: data.truncation decides (carried from it)")
 
 
 def _greedy_validation(value):
+    """false -> 0 (greedy validation), whatever val_kwargs.temperature says"""
     if value is False:
         return 0.0                              # do_sample=false: greedy, whatever the temperature
     raise NotCarried("the toolkit samples for validation when val_temperature > 0 "

@@ -23,3 +23,11 @@ def test_help_lists_every_key_once_under_a_section():
     assert sorted(listed) == sorted(names)
     sections = train_ppo.config_sections()
     assert len(sections) >= 10 and all(fields for _, fields in sections)
+
+
+def test_trl_table_points_at_real_keys_or_says_why_not():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import config_reference
+    keys = {f.name for f in dataclasses.fields(train_ppo.Config)}
+    for field, (key, how) in config_reference.TRL_FIELDS.items():
+        assert key in keys if key else how, field
