@@ -107,6 +107,17 @@ def check_deepspeed_config(conf: dict, owned: dict[str, tuple[str, object]], bf1
                             "set it to \"auto\" or change dtype (fp32 | bf16)")
 
 
+def launched_zero() -> tuple[int | None, dict[str, bool]]:
+    """(ZeRO stage, {"optimizer": offloaded, "param": offloaded}) of the DeepSpeed config this
+    process was launched with, read without starting anything; (None, all False) without DeepSpeed."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None, {"optimizer": False, "param": False}
+    from accelerate.utils import DeepSpeedPlugin
+    zero = DeepSpeedPlugin().deepspeed_config.get("zero_optimization", {})
+    return zero.get("stage", 0), {k: zero.get(f"offload_{k}", {}).get("device", "none") not in ("none", None)
+                                  for k in ("optimizer", "param")}
+
+
 def zero_stage(accelerator) -> int | None:
     """The ZeRO stage of the launched DeepSpeed config; None without DeepSpeed."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)

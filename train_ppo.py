@@ -2044,13 +2044,7 @@ def dry_run(cfg: Config) -> bool:
         importlib.import_module(lib)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     check_world_size(cfg, world)
-    stage, offload = None, {}
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        from accelerate.utils import DeepSpeedPlugin
-        zero = DeepSpeedPlugin().deepspeed_config.get("zero_optimization", {})
-        stage = zero.get("stage", 0)
-        offload = {k: zero.get(f"offload_{k}", {}).get("device", "none") not in ("none", None)
-                   for k in ("optimizer", "param")}
+    stage, offload = distributed.launched_zero()
     tokenizer = _load("model_path", cfg.model_path, AutoTokenizer.from_pretrained, "tokenizer")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -2075,7 +2069,7 @@ def dry_run(cfg: Config) -> bool:
         if kl_ref and not cfg.lora_rank else None,
         reward=shape("reward_model_path", cfg.reward_model_path, "reward") if cfg.reward_model_path else None,
         worlds=[world] + [w for w in (1, 8) if w != world], zero_stage=stage,
-        offload_optimizer=offload.get("optimizer", False), offload_params=offload.get("param", False),
+        offload_optimizer=offload["optimizer"], offload_params=offload["param"],
         ref_offload=cfg.ref_offload, reward_offload=cfg.reward_offload, bf16=cfg.dtype == "bf16",
         micro_batch=schedule(cfg, "actor").micro_batch, critic_micro_batch=schedule(cfg, "critic").micro_batch,
         seq_len=cfg.max_prompt_length + cfg.max_response_length, response_len=cfg.max_response_length,
