@@ -1911,7 +1911,7 @@ def main(cfg: Config) -> None:
                        getattr(tracker, "uri", ""), cfg.mlflow_experiment, cfg.total_training_steps)
     stop, guards = StopSignal(), run.guards
     optimizer_steps = cfg.ppo_epochs * (cfg.train_batch_size // cfg.ppo_mini_batch_size)
-    status, final_dir = "FAILED", None
+    status, final_dir, bar = "FAILED", None, None
     try:
         if val and cfg.val_before_train and not run.resumed:
             val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val)
@@ -1961,6 +1961,7 @@ def main(cfg: Config) -> None:
                     "entropy_reaction": guards.entropy_reaction},
                     {"engine": run.engine.state_dict()})
             if stopping:
+                bar.close()
                 if accelerator.is_main_process:
                     print(f"stopped by a signal after step {step}; checkpoint saved, resume with the same command",
                           flush=True)
@@ -1971,11 +1972,12 @@ def main(cfg: Config) -> None:
 
         final_dir = save_final(accelerator, run.actor, run.tokenizer, Path(cfg.output_dir), run.ds, cfg.lora_save_merged)
         status = "FINISHED"
-        bar.close()
         if accelerator.num_processes > 1:
             print(f"rank {accelerator.process_index}/{accelerator.num_processes}: peak memory {peak_memory_gb():.2f} "
                   "GiB", flush=True)
     finally:
+        if bar is not None:
+            bar.close()   # before anything else is printed, so the bar's last state stays one line
         tracker.finish(status, final_dir)
         if accelerator.is_main_process:
             console.summary(Path(cfg.output_dir), status, tracker.history, tracker.uri, cfg.mlflow_experiment,
