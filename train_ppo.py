@@ -432,14 +432,14 @@ def config_sections() -> list[tuple[str, list]]:
     return sections
 
 
-def _type_name(f) -> str:
+def key_type(f) -> str:
     kind = typing.get_type_hints(Config)[f.name]
     if typing.get_origin(kind) is typing.Union:
         return " | ".join("None" if a is type(None) else a.__name__ for a in typing.get_args(kind))
     return kind.__name__
 
 
-def _default_text(f) -> str:
+def key_default(f) -> str:
     value = f.default
     if isinstance(value, str) and value.startswith(str(HERE)):
         value = os.path.relpath(value, HERE)   # the demo's files, shipped next to this script
@@ -452,22 +452,10 @@ def config_help() -> str:
     for section, fields in config_sections():
         lines.append(f"{section}:")
         for f in fields:
-            lines.append(f"  --{f.name} {_type_name(f)} (default {_default_text(f)})")
+            lines.append(f"  --{f.name} {key_type(f)} (default {key_default(f)})")
             lines.append(f"      {f.metadata['help']}")
         lines.append("")
     return "\n".join(lines)
-
-
-def config_reference() -> str:
-    """The README's config reference (markdown), generated from the same source as --help."""
-    out = []
-    for section, fields in config_sections():
-        out += [f"**{section}**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
-        for f in fields:
-            text = f.metadata["help"].replace("|", "\\|")
-            out.append(f"| `{f.name}` | {_type_name(f).replace('|', 'or')} | `{_default_text(f)}` | {text} |")
-        out.append("")
-    return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1752,7 +1740,6 @@ class Rollouts:
     truncated: torch.Tensor         # [b] bool: cut at max_response_length without EOS
     token_scores: torch.Tensor      # [b, R] the shaped score on each sequence's last token
     sampler: torch.Tensor           # [b, R] the sampler's log-probs (the actor's own with the hf engine)
-    from_engine: bool               # the sampler reported its own log-probs (vLLM)
     is_stats: dict
 
 
@@ -1801,8 +1788,7 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict) -
         if cfg.rollout_is != "off":
             batch["is_weights"], is_stats = rollout_is_weights(batch["old_logprob"], sampler, mask, cfg.rollout_is,
                                                                cfg.rollout_is_threshold)
-    return Rollouts(batch, rollout.responses, scores, nonfinite, truncated, token_scores, sampler,
-                    rollout.logprobs is not None, is_stats)
+    return Rollouts(batch, rollout.responses, scores, nonfinite, truncated, token_scores, sampler, is_stats)
 
 
 def sampler_drift(accelerator, data: Rollouts) -> float:
@@ -1827,7 +1813,9 @@ def train_step(run: Run, step: int) -> dict:
 
     # 1-3 generate, score, forward passes
     data = collect(run, idx, engine, temperature, times)
-    drift = sampler_drift(accelerator, data) if data.from_engine else None
+    # decided by the config, not by the engine this rank got (rollout_fallback_hf may differ per
+    # rank): the reduction is a collective, so every rank runs it or none does
+    drift = sampler_drift(accelerator, data) if cfg.rollout_engine == "vllm" else None
     regenerated = False
     if drift is not None and cfg.rollout_max_logprob_diff > 0 and drift > cfg.rollout_max_logprob_diff:
         if cfg.rollout_on_drift == "stop":

@@ -60,6 +60,18 @@ TRL_FIELDS = {
 }
 
 
+def config_table() -> str:
+    """The config reference: every key of train_ppo.Config by section, as --help lists them."""
+    out = []
+    for section, fields in train_ppo.config_sections():
+        out += [f"**{section}**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for f in fields:
+            text = f.metadata["help"].replace("|", "\\|")
+            out.append(f"| `{f.name}` | {train_ppo.key_type(f).replace('|', 'or')} | `{train_ppo.key_default(f)}` | {text} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def trl_table() -> str:
     out = ["| TRL PPOConfig field | this toolkit | notes |", "|---|---|---|"]
     for field, (key, how) in TRL_FIELDS.items():
@@ -87,7 +99,7 @@ def verl_table() -> str:
     return "\n".join(out)
 
 
-BLOCKS = {"config-reference": train_ppo.config_reference, "verl-keys": verl_table, "trl-keys": trl_table}
+BLOCKS = {"config-reference": config_table, "verl-keys": verl_table, "trl-keys": trl_table}
 
 
 def render(readme: str) -> str:
