@@ -215,8 +215,8 @@ PER_GPU = {
 
 # verl keys whose every value this toolkit already honours in its own way: nothing to set.
 ALWAYS = {
-    "*.use_remove_padding": "the toolkit always trims each micro-batch to its own longest sequence and groups "
-                            "similar lengths, in the training and the no-grad passes",
+    "*.use_remove_padding": "the toolkit packs each micro-batch's sequences without padding by default "
+                            "(remove_padding), in the training and the no-grad passes",
     "actor_rollout_ref.hybrid_engine": "generation and training always share the GPUs (vLLM sleeps while the "
                                        "models train)",
     "data.return_raw_chat": "prompts given as chat messages are always rendered with the tokenizer's chat template",

@@ -223,3 +223,40 @@ def test_engine_that_cannot_start_says_why_and_what_to_change(tiny, tmp_path):
     for message, (_, _, reason) in zip(failures, cases):
         assert reason in message
         assert "rollout_engine=hf" in message and "rollout_kv_cache_gb" in message
+
+
+@pytest.mark.parametrize("params, allowed", [
+    (dict(temperature=1.0), 5), (dict(temperature=2.0), 5), (dict(temperature=0.5), 5),
+    (dict(temperature=1.0, top_k=2), 2), (dict(temperature=1.0, top_p=0.7), 2), (dict(temperature=1.0, top_p=0.85), 3),
+])
+def test_hf_sampler_draws_from_the_tempered_distribution_cut_as_asked(params, allowed):
+    """The hf engine's Sampler: each row keeps exactly one token, drawn with the probability of
+    softmax(logits / T) renormalised over the top_k / top_p set; tokens outside it never come."""
+    from rollout.hf import Sampler
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.0])
+    draws = 40000
+    out = Sampler(SamplingParams(**params))(None, probs.log().repeat(draws, 1))
+    assert ((out == 0).sum(-1) == 1).all() and (out.isinf().sum(-1) == 5).all()
+    counts = torch.bincount(out.argmax(-1), minlength=6).double()
+    want = probs.double() ** (1 / params["temperature"])
+    want[allowed:] = 0
+    want /= want.sum()
+    sigma = (draws * want * (1 - want)).sqrt()
+    assert (counts[allowed:] == 0).all()
+    assert ((counts - draws * want).abs() <= 5 * sigma + 1).all(), (counts / draws, want)
+
+
+def test_hf_engine_samples_the_whole_vocabulary(tmp_path):
+    """With top_k unset every token can come. Transformers' sampling adds a top_k of 50 to a loaded
+    model's generate(), which the hf engine used to sample with: the 350 others never came."""
+    config = Qwen2Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    torch.nn.init.normal_(model.model.embed_tokens.weight, std=1e-3)   # logits within about 0.01: nearly uniform
+    model.save_pretrained(tmp_path)   # loaded from a directory, as every run's actor is (that is when the 50 came)
+    model = Qwen2ForCausalLM.from_pretrained(tmp_path).eval()
+    # 512 draws from the same next-token distribution
+    out = HFEngine(model, EOS, PAD).generate([[5, 6, 7]] * 512, SamplingParams(max_tokens=1, ignore_eos=True))
+    assert len({t for r in out.responses for t in r}) > 200          # about 290 of 400 expected

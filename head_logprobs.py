@@ -1,0 +1,94 @@
+"""Log-prob and entropy of chosen tokens straight from hidden states, through the LM head in chunks.
+
+    logprob, entropy = head_logprobs(hidden, weight, tokens, temperature)     # hidden [N, H] -> [N], [N]
+
+The plain way, logits = hidden @ weight.T then log-softmax, holds an [N, V] tensor per
+micro-batch and several more of the same size in its backward (the softmax, the gradient of the
+logits, the gradient of the slice the logits came from). With a 32k-token vocabulary those
+element-wise passes over N x V floats cost more than the matmuls. Here the logits exist one chunk
+of rows at a time (`rows` x V, small enough to stay in cache): the forward keeps only the
+log-sum-exp per row, and the backward recomputes each chunk's logits (one extra matmul) and turns
+them straight into the gradients of hidden and weight. Same numbers as the plain way, up to fp32
+rounding (tests/test_head_logprobs.py checks values and gradients against autograd).
+
+Gradients flow from the log-prob and, when it is part of the loss, from the entropy:
+  d logprob_i / d z_j = [j == token] - p_j
+  d entropy   / d z_j = -p_j (log p_j + entropy)
+with z the temperature-scaled logits and p = softmax(z).
+"""
+import torch
+
+CHUNK_ELEMENTS = 1 << 21    # logits per chunk: 2M floats (8 MB), e.g. 64 rows of a 32k vocabulary
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, temperature, compute_dtype):
+        ctx.set_materialize_grads(False)
+        n = hidden.shape[0]
+        rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
+        logprob = hidden.new_empty(n, dtype=torch.float32)
+        entropy = hidden.new_empty(n, dtype=torch.float32)
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        w = weight.to(compute_dtype)
+        for s in range(0, n, rows):
+            z = _logits(hidden[s:s + rows], w, temperature, compute_dtype)               # [r, V]
+            lse[s:s + rows] = torch.logsumexp(z, dim=-1)
+            logprob[s:s + rows] = z.gather(1, tokens[s:s + rows, None]).squeeze(1) - lse[s:s + rows]
+            log_p = z.sub_(lse[s:s + rows, None])                                        # log-softmax, in place
+            # -sum p log p: no cancellation between large terms (logsumexp - E_p[z] has it when entropy is low)
+            entropy[s:s + rows] = -(log_p.exp() * log_p).sum(-1)
+        ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
+        ctx.temperature, ctx.compute_dtype = temperature, compute_dtype
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        hidden, weight, tokens, lse, entropy = ctx.saved_tensors
+        t, dtype = ctx.temperature, ctx.compute_dtype
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_logprob is None and grad_entropy is None:
+            return None, None, None, None, None
+        n = hidden.shape[0]
+        rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
+        w = weight.to(dtype)
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, n, rows):
+            h = hidden[s:s + rows]
+            log_p = _logits(h, w, t, dtype).sub_(lse[s:s + rows, None])                   # [r, V]
+            p = log_p.exp()                                                               # softmax
+            if grad_entropy is not None:   # -g_ent * p * (log p + H)
+                gz = log_p.add_(entropy[s:s + rows, None]).mul_(p)
+                gz.mul_(-grad_entropy[s:s + rows, None])
+                if grad_logprob is not None:
+                    gz.sub_(p.mul_(grad_logprob[s:s + rows, None]))
+            else:
+                gz = p.mul_(-grad_logprob[s:s + rows, None])
+            if grad_logprob is not None:   # g_lp * (onehot - p): the onehot part
+                gz.scatter_add_(1, tokens[s:s + rows, None], grad_logprob[s:s + rows, None].float())
+            if t != 1.0:
+                gz.div_(t)
+            gz = gz.to(dtype)
+            if need_h:
+                grad_hidden[s:s + rows] = (gz @ w).to(hidden.dtype)
+            if need_w:   # accumulated in fp32 whatever the compute dtype
+                if dtype == torch.float32:
+                    grad_weight.addmm_(gz.t(), h)
+                else:
+                    grad_weight += (gz.t() @ h.to(dtype)).float()
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+
+
+def _logits(hidden, weight, temperature, dtype):
+    z = (hidden.to(dtype) @ weight.t()).float()                                          # [r, V]
+    return z if temperature == 1.0 else z.div_(temperature)
+
+
+def head_logprobs(hidden, weight, tokens, temperature: float = 1.0):
+    """hidden [N, H], weight [V, H] (the LM head's), tokens [N] -> (logprob [N], entropy [N]), fp32.
+    The matmuls run in the autocast dtype when autocast is on, otherwise in the weight's dtype."""
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    with torch.autocast(device_type, enabled=False):
+        return _HeadLogprobs.apply(hidden, weight, tokens, float(temperature), dtype)
