@@ -1061,6 +1061,7 @@ def forward_in_micro_batches(fn, batch: dict, size: int, max_tokens: int = 0, ag
 
 
 def load_models(cfg: Config):
+    skip_unused_imports()
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
                               AutoModelForTokenClassification, AutoTokenizer)
     tokenizer = _load("model_path", cfg.model_path, AutoTokenizer.from_pretrained, "tokenizer")
@@ -1115,6 +1116,14 @@ def load_models(cfg: Config):
         if model is not None and on:   # armed here, active only inside recompute_activations()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return tokenizer, actor, critic, ref, reward_model
+
+
+def skip_unused_imports() -> None:
+    """Transformers' generate() imports scikit-learn (150 MB of resident memory, with SciPy) for the
+    candidate-length heuristic of assisted generation, which PPO never uses: report it absent."""
+    import transformers.utils
+    if "transformers.generation" not in sys.modules:
+        transformers.utils.is_sklearn_available = lambda: False
 
 
 @contextmanager
