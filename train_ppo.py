@@ -34,6 +34,7 @@ import torch
 import console
 import distributed
 import kl
+import lean_imports
 import packing
 import preflight
 from checkpoints import StopSignal, check_resumable, find_checkpoint, load_checkpoint, read_state, save_checkpoint
@@ -1061,7 +1062,7 @@ def forward_in_micro_batches(fn, batch: dict, size: int, max_tokens: int = 0, ag
 
 
 def load_models(cfg: Config):
-    skip_unused_imports()
+    lean_imports.skip_unused()
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
                               AutoModelForTokenClassification, AutoTokenizer)
     tokenizer = _load("model_path", cfg.model_path, AutoTokenizer.from_pretrained, "tokenizer")
@@ -1116,14 +1117,6 @@ def load_models(cfg: Config):
         if model is not None and on:   # armed here, active only inside recompute_activations()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return tokenizer, actor, critic, ref, reward_model
-
-
-def skip_unused_imports() -> None:
-    """Transformers' generate() imports scikit-learn (150 MB of resident memory, with SciPy) for the
-    candidate-length heuristic of assisted generation, which PPO never uses: report it absent."""
-    import transformers.utils
-    if "transformers.generation" not in sys.modules:
-        transformers.utils.is_sklearn_available = lambda: False
 
 
 @contextmanager
@@ -1719,6 +1712,7 @@ def hf_engine(run: Run):
 def setup(cfg: Config) -> Run:
     """Accelerator, models (DeepSpeed engines under DeepSpeed), data, rollout engine, tracking; a
     checkpoint to resume from is found and checked before any model loads, and loaded after."""
+    lean_imports.skip_unused()
     import yaml
     from accelerate.utils import set_seed
 
