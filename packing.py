@@ -87,6 +87,13 @@ class Packed:
                 "max_length_q": longest, "max_length_k": longest}
 
 
+def worth_it(batch: dict, min_saving: float = 0.1) -> bool:
+    """Whether packing removes at least min_saving of the micro-batch's positions. Below that the
+    padded layout is faster: one batched SDPA call per layer instead of one per sequence."""
+    mask = batch["attention_mask"]
+    return int(mask.sum()) <= (1.0 - min_saving) * mask.numel()
+
+
 def pack(batch: dict) -> Packed:
     """A micro-batch as pack_batch lays it out ([B, P + R], prompts left-padded, responses
     right-padded, attention_mask 1 on real tokens) -> Packed. Positions of padded response tokens

@@ -917,7 +917,7 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]) or (args[0][:, :0],)) \
         if fused else None
     try:
-        packed = packing.pack(batch) if _packs(model) else None
+        packed = packing.pack(batch) if _packs(model, batch) else None
         W = batch["input_ids"].shape[1]
         keep = (packed.response_index.reshape(-1) if packed is not None         # [B * R] or [R]
                 else torch.arange(W - R - 1, W - 1, device=batch["input_ids"].device))
@@ -941,9 +941,10 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     return logprob, entropy
 
 
-def _packs(model) -> bool:
-    """Whether `model` takes packed micro-batches: its attention keeps the sequences of one row apart."""
-    return _unwrap(model).config._attn_implementation in packing.PACKED_ATTENTION
+def _packs(model, batch: dict) -> bool:
+    """Whether to pack this micro-batch: `model`'s attention keeps the sequences of one row apart
+    and packing drops enough padding to pay (every rank runs one pass either way)."""
+    return _unwrap(model).config._attn_implementation in packing.PACKED_ATTENTION and packing.worth_it(batch)
 
 
 def _forward(model, batch: dict, packed, **kwargs):
@@ -975,7 +976,7 @@ def _scaled(logits, temperature: float):
 def critic_values(critic, batch: dict):
     """V(s_t) for the state before each response token -> [B, R]."""
     R = batch["responses"].shape[1]
-    packed = packing.pack(batch) if _packs(critic) else None
+    packed = packing.pack(batch) if _packs(critic, batch) else None
     out = _forward(critic, batch, packed)
     if packed is not None:
         return out.logits[0, packed.response_index, 0].float()                    # [B, R]
@@ -990,7 +991,7 @@ def reward_model_scores(reward_model, batch: dict):
     head = getattr(reward_model, "module", reward_model).score                   # the classifier head
     captured = []
     hook = head.register_forward_hook(lambda module, args, out: captured.append(out))
-    packed = packing.pack(batch) if _packs(reward_model) else None
+    packed = packing.pack(batch) if _packs(reward_model, batch) else None
     try:
         _forward(reward_model, batch, packed)
     finally:

@@ -70,6 +70,8 @@ def test_packed_values_and_reward_scores_equal_the_padded_ones():
 
 def test_pack_lays_sequences_end_to_end_and_points_at_the_response_predictors():
     b = batch()
+    assert packing.worth_it(b)                                            # 131 of 212 positions are padding
+    assert not packing.worth_it(pack_batch([[1, 2, 3]] * 4, [[4, 5]] * 4, pad_id=0))   # none: padded is faster
     p = packing.pack(b)
     lengths = [len(x) + len(y) for x, y in zip(PROMPTS, RESPONSES)]
     assert p.input_ids.shape == (1, sum(lengths))
