@@ -917,7 +917,7 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]) or (args[0][:, :0],)) \
         if fused else None
     try:
-        packed = packing.pack(batch) if _packs(model, batch) else None
+        packed = _packed(model, batch)
         W = batch["input_ids"].shape[1]
         keep = (packed.response_index.reshape(-1) if packed is not None         # [B * R] or [R]
                 else torch.arange(W - R - 1, W - 1, device=batch["input_ids"].device))
@@ -941,10 +941,13 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     return logprob, entropy
 
 
-def _packs(model, batch: dict) -> bool:
-    """Whether to pack this micro-batch: `model`'s attention keeps the sequences of one row apart
-    and packing drops enough padding to pay (every rank runs one pass either way)."""
-    return _unwrap(model).config._attn_implementation in packing.PACKED_ATTENTION and packing.worth_it(batch)
+def _packed(model, batch: dict):
+    """The micro-batch packed into one row (packing.Packed), or None to run it padded: packed when
+    `model`'s attention keeps the sequences of a row apart and packing drops enough padding to pay
+    (every rank runs one pass either way)."""
+    if _unwrap(model).config._attn_implementation in packing.PACKED_ATTENTION and packing.worth_it(batch):
+        return packing.pack(batch)
+    return None
 
 
 def _forward(model, batch: dict, packed, **kwargs):
@@ -976,7 +979,7 @@ def _scaled(logits, temperature: float):
 def critic_values(critic, batch: dict):
     """V(s_t) for the state before each response token -> [B, R]."""
     R = batch["responses"].shape[1]
-    packed = packing.pack(batch) if _packs(critic, batch) else None
+    packed = _packed(critic, batch)
     out = _forward(critic, batch, packed)
     if packed is not None:
         return out.logits[0, packed.response_index, 0].float()                    # [B, R]
@@ -988,10 +991,10 @@ def reward_model_scores(reward_model, batch: dict):
     (the attention mask), where it was trained to score -> [B]. Hugging Face's sequence
     classifiers find that token through pad_token_id instead, which with pad == EOS reads the
     token before the EOS; so the head's per-token output is taken from a hook."""
-    head = getattr(reward_model, "module", reward_model).score                   # the classifier head
+    head = _unwrap(reward_model).score                                            # the classifier head
     captured = []
     hook = head.register_forward_hook(lambda module, args, out: captured.append(out))
-    packed = packing.pack(batch) if _packs(reward_model, batch) else None
+    packed = _packed(reward_model, batch)
     try:
         _forward(reward_model, batch, packed)
     finally:
@@ -1713,7 +1716,7 @@ def hf_engine(run: Run):
 def setup(cfg: Config) -> Run:
     """Accelerator, models (DeepSpeed engines under DeepSpeed), data, rollout engine, tracking; a
     checkpoint to resume from is found and checked before any model loads, and loaded after."""
-    lean_imports.skip_unused()
+    lean_imports.skip_unused()   # before Accelerate imports DeepSpeed (load_models repeats it for direct callers)
     import yaml
     from accelerate.utils import set_seed
 
