@@ -31,8 +31,10 @@ from pathlib import Path
 
 import torch
 
+import config_docs
 import console
 import distributed
+import flops
 import kl
 import lean_imports
 import packing
@@ -40,6 +42,7 @@ import preflight
 from checkpoints import StopSignal, check_resumable, find_checkpoint, load_checkpoint, read_state, save_checkpoint
 from distributed import Role, gathered_params, param_share
 from errors import UserError, first_line
+from guards import Guards
 from head_logprobs import head_logprobs
 from rollout import SamplingParams
 from tracking import Tracker, run_tags
@@ -123,6 +126,8 @@ class Config:
     run_name: str = opt("", "MLflow run name; '' = the output_dir's name")
     mlflow_system_metrics: bool = opt(False, "MLflow samples CPU, memory (and GPU) use of the machine into the run")
     log_samples: int = opt(16, "validation generations logged to MLflow as a table, per validation")
+    peak_tflops: float = opt(0.0, "the device's dense peak TFLOPS at the run's precision, for perf/mfu; 0 = known "
+                                  "GPUs by name (flops.py), none on other devices (CPUs): no perf/mfu")
     # rollout
     rollout_engine: str = opt("hf", "hf (generate on the actor itself) | vllm")
     rollout_n: int = opt(4, "responses sampled per prompt")
@@ -316,6 +321,7 @@ def validate_config(cfg: Config) -> None:
                 "ppo_micro_batch_size_per_device", "max_prompt_length", "max_response_length", "rollout_micro_batch_size"):
         need(getattr(cfg, key) > 0, f"{key} must be > 0, got {getattr(cfg, key)}")
     need(cfg.clip_ratio_c > 1, f"clip_ratio_c must be > 1, got {cfg.clip_ratio_c}")
+    need(cfg.peak_tflops >= 0, f"peak_tflops must be >= 0 (0 = look the device up), got {cfg.peak_tflops}")
     need(cfg.kl_ctrl_type in kl.CONTROLLERS, f"kl_ctrl_type must be one of {sorted(kl.CONTROLLERS)}, got {cfg.kl_ctrl_type!r}")
     if cfg.use_kl_in_reward and cfg.kl_ctrl_type == "adaptive":
         need(cfg.target_kl > 0, f"target_kl must be > 0 with kl_ctrl_type=adaptive, got {cfg.target_kl}")
@@ -421,46 +427,6 @@ def critic_checkpointing(cfg: Config) -> bool:
 
 def _split_files(files: str) -> list[str]:
     return [f.strip() for f in files.split(",") if f.strip()]
-
-
-def config_sections() -> list[tuple[str, list]]:
-    """Config's fields grouped under the `# section` comments of its source, in order: the one
-    source of --help and of the README's config reference."""
-    import inspect
-    import re
-    fields, sections = {f.name: f for f in dataclasses.fields(Config)}, []
-    for line in inspect.getsource(Config).splitlines():
-        if line.startswith("    # "):
-            sections.append((line.strip()[2:], []))
-        elif (m := re.match(r"    (\w+):", line)) and m.group(1) in fields:
-            sections[-1][1].append(fields[m.group(1)])
-    return sections
-
-
-def key_type(f) -> str:
-    kind = typing.get_type_hints(Config)[f.name]
-    if typing.get_origin(kind) is typing.Union:
-        return " | ".join("None" if a is type(None) else a.__name__ for a in typing.get_args(kind))
-    return kind.__name__
-
-
-def key_default(f) -> str:
-    value = f.default
-    if isinstance(value, str) and value.startswith(str(HERE)):
-        value = os.path.relpath(value, HERE)   # the demo's files, shipped next to this script
-    return repr(value) if isinstance(value, str) else str(value)
-
-
-def config_help() -> str:
-    lines = ["usage: train_ppo.py [--config FILE.yaml ...] [--key=value ...]",
-             "Later --config files override earlier ones; --key=value overrides them all.", ""]
-    for section, fields in config_sections():
-        lines.append(f"{section}:")
-        for f in fields:
-            lines.append(f"  --{f.name} {key_type(f)} (default {key_default(f)})")
-            lines.append(f"      {f.metadata['help']}")
-        lines.append("")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1608,75 +1574,6 @@ def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group
     return metrics
 
 
-class Guards:
-    """Keeps a long run alive: a KL drift or a run of skipped (non-finite) optimizer steps rolls
-    back to the last checkpoint with a lower actor lr; entropy collapse is warned about and, with
-    entropy_floor, reacted to (another sampling temperature and/or entropy bonus until it recovers)."""
-
-    def __init__(self, cfg: Config):
-        self.cfg, self.rollbacks, self.consecutive_skips = cfg, 0, 0
-        self.entropy_reaction = False   # saved in checkpoints
-
-    @property
-    def temperature(self) -> float:
-        react = self.entropy_reaction and self.cfg.entropy_floor_temperature is not None
-        return self.cfg.entropy_floor_temperature if react else self.cfg.temperature
-
-    @property
-    def entropy_coeff(self) -> float:
-        react = self.entropy_reaction and self.cfg.entropy_floor_coeff is not None
-        return self.cfg.entropy_floor_coeff if react else self.cfg.entropy_coeff
-
-    def check(self, step: int, metrics: dict, optimizer_steps: int) -> str | None:
-        """-> why to roll back now, or None. Also warns (stderr) about a collapsing entropy and
-        switches the entropy reaction on or off for the next step."""
-        cfg = self.cfg
-        skipped = int(metrics.get("actor/skipped_steps", 0))
-        self.consecutive_skips = self.consecutive_skips + skipped if skipped == optimizer_steps else skipped
-        entropy = metrics.get("actor/entropy")
-        if cfg.entropy_warn_threshold > 0 and entropy is not None and entropy < cfg.entropy_warn_threshold:
-            print(f"warning: step {step}: actor/entropy={entropy:.4g} < entropy_warn_threshold="
-                  f"{cfg.entropy_warn_threshold} (entropy collapse)", file=sys.stderr, flush=True)
-        if cfg.entropy_floor > 0 and entropy is not None:
-            turn_on = not self.entropy_reaction and entropy < cfg.entropy_floor
-            turn_off = self.entropy_reaction and cfg.entropy_recover > 0 and entropy > cfg.entropy_recover
-            if turn_on or turn_off:
-                self.entropy_reaction = turn_on
-                print(f"warning: step {step}: actor/entropy={entropy:.4g} "
-                      f"{'< entropy_floor' if turn_on else '> entropy_recover'}: from the next step temperature="
-                      f"{self.temperature:g}, entropy_coeff={self.entropy_coeff:g}", file=sys.stderr, flush=True)
-        if cfg.kl_rollback_threshold > 0 and metrics.get("kl/mean", 0.0) > cfg.kl_rollback_threshold:
-            return f"kl/mean={metrics['kl/mean']:.4g} > kl_rollback_threshold={cfg.kl_rollback_threshold}"
-        if cfg.max_consecutive_skips > 0 and self.consecutive_skips >= cfg.max_consecutive_skips:
-            return f"{self.consecutive_skips} optimizer steps in a row skipped for a non-finite gradient norm"
-        return None
-
-
-def rollback(run, guards: Guards, reason: str, step: int) -> dict:
-    """Reload the newest complete checkpoint (models, optimizers, RNGs, data position) and scale
-    the actor's learning rate by rollback_lr_factor per rollback -> that checkpoint's state."""
-    cfg = run.cfg
-    guards.rollbacks += 1
-    guards.consecutive_skips = 0
-    if guards.rollbacks > cfg.max_rollbacks:
-        raise UserError(f"step {step}: {reason}; giving up after max_rollbacks={cfg.max_rollbacks} rollbacks "
-                        f"(lower actor_lr or raise kl_rollback_threshold)")
-    path = find_checkpoint("auto", cfg.output_dir)
-    if path is None:
-        raise UserError(f"step {step}: {reason}, and there is no checkpoint to roll back to: set save_freq")
-    state = read_state(path)
-    restore(run, path, state)
-    _, optim, sched = run.trained["actor"]
-    scale = cfg.rollback_lr_factor ** (guards.rollbacks - state.get("rollbacks", 0))   # its lr may be scaled already
-    sched.base_lrs = [lr * scale for lr in sched.base_lrs]
-    for group, base in zip(optim.param_groups, sched.base_lrs):
-        group["lr"] = base * sched.lr_lambdas[0](sched.last_epoch)
-    if run.accelerator.is_main_process:
-        print(f"warning: step {step}: {reason}; rolling back to {path} with actor lr x{scale:g} "
-              f"(rollback {guards.rollbacks}/{cfg.max_rollbacks})", file=sys.stderr, flush=True)
-    return state
-
-
 @dataclass
 class Run:
     """Everything one training run holds, built by setup()."""
@@ -1702,6 +1599,8 @@ class Run:
     resumed: dict | None = None
     engine_state: dict | None = None   # the rollout engine's state from a checkpoint
     hf: typing.Any = None              # the actor as a sampler, for rollout_on_drift=regenerate
+    shapes: dict = field(default_factory=dict)   # role -> flops.Shape, for perf/mfu
+    peak_flops: float = 0.0                      # the device's peak FLOP/s; 0 = unknown, no perf/mfu
 
 
 def hf_engine(run: Run):
@@ -1764,6 +1663,9 @@ def setup(cfg: Config) -> Run:
         if accelerator.is_main_process:
             print(f"resuming from {ckpt} (step {resumed['step']})", flush=True)
     run.resumed = resumed
+    run.shapes = {role: flops.shape_of(m) for role, m in
+                  (("actor", actor), ("ref", ref), ("critic", critic), ("reward", scorer.reward_model)) if m is not None}
+    run.peak_flops = flops.peak(accelerator.device, cfg.dtype == "bf16", cfg.peak_tflops)
     run.engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, [gathered_params(actor, ds), autocast],
                              world, rank)
     run.engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))   # e.g. a resumed actor
@@ -1902,15 +1804,16 @@ def train_step(run: Run, step: int) -> dict:
         metrics = rewards_and_advantages(cfg, accelerator, run.kl_ctrl, batch, token_scores, group_ids, valid)
 
     # 5 update: critic, then actor (after critic_warmup steps)
+    updates: dict = {}   # each model's share of the update's time, for perf/mfu
     with timed(times, "update"):
         if run.critic is not None:
             critic, critic_optim, critic_sched = run.trained["critic"]
-            with recompute_activations(critic, critic_checkpointing(cfg)):
+            with recompute_activations(critic, critic_checkpointing(cfg)), timed(updates, "critic"):
                 metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, run.autocast, run.ds))
             critic_sched.step()
         if step >= cfg.critic_warmup:   # verl: update the actor once global_steps >= critic_warmup
             actor, actor_optim, actor_sched = run.trained["actor"]
-            with recompute_activations(actor, cfg.gradient_checkpointing):
+            with recompute_activations(actor, cfg.gradient_checkpointing), timed(updates, "actor"):
                 metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, run.autocast, run.ds, run.sft,
                                             temperature, run.guards.entropy_coeff))
             metrics["actor/lr"] = actor_sched.get_last_lr()[0]
@@ -1943,11 +1846,31 @@ def train_step(run: Run, step: int) -> dict:
         if cfg.rollout_on_drift == "regenerate":
             metrics["rollout/regenerated"] = float(regenerated)
         metrics.update({f"rollout_is/{k}": v.item() for k, v in is_stats.items()})
+        if run.peak_flops:
+            metrics.update(model_flops_utilisation(run, batch, updates, world))
         metrics = reduce_metrics(accelerator, {**metrics, **times})
     metrics.update(times)   # this rank's own clock, so the phases add up to its step
     metrics["time/step_s"] = time.perf_counter() - step_start
     metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]
+    if run.peak_flops:
+        metrics["perf/mfu"] = metrics.pop("perf/flops") / (metrics["time/step_s"] * run.peak_flops * world)
     return metrics
+
+
+def model_flops_utilisation(run: Run, batch: dict, updates: dict, world: int) -> dict:
+    """perf/mfu/actor and perf/mfu/critic: each update's model FLOPs (flops.py) over its time at the
+    device's peak; perf/flops: the step's model FLOPs on all ranks (perf/mfu once the step's time is
+    known). Generation counts as one forward pass of the actor; the SFT mix is not counted."""
+    lens = batch["attention_mask"].sum(-1)                                        # [b]
+    forward = {role: flops.forward(shape, lens) for role, shape in run.shapes.items()}
+    trained = {role: 3 * forward[role] * schedule(run.cfg, role).epochs for role in ("actor", "critic")
+               if f"time/{role}_s" in updates}
+    done = 2 * forward["actor"] + sum(trained.values())                           # generation, old log-probs
+    done += forward.get("ref", forward["actor"]) if "ref_logprob" in batch else 0.0   # a LoRA actor's base is the ref
+    done += forward["critic"] if "values" in batch else 0.0
+    done += forward.get("reward", 0.0)
+    out = {f"perf/mfu/{role}": f / (updates[f"time/{role}_s"] * run.peak_flops) for role, f in trained.items()}
+    return {**out, "perf/flops": done * world}   # the mean over ranks makes it a sum
 
 
 def main(cfg: Config) -> None:
@@ -1994,7 +1917,8 @@ def main(cfg: Config) -> None:
             # 8 guards: roll back to the last checkpoint on KL drift or a run of skipped steps
             reason = guards.check(step, metrics, optimizer_steps)
             if reason:
-                state = rollback(run, guards, reason, step)
+                state = guards.rollback(step, reason, lambda path, saved: restore(run, path, saved),
+                                        *run.trained["actor"][1:], accelerator.is_main_process)
                 run.engine.load_weights(actor_weights(run.actor, run.ds, cfg.rollout_sync_bucket_mb))
                 tracker.rewind(tracker.history, state["step"])
                 step = bar.n = run.first_step
@@ -2146,7 +2070,7 @@ def dry_run(cfg: Config) -> bool:
 
 if __name__ == "__main__":
     if any(a in ("-h", "--help") for a in sys.argv[1:]):
-        print(config_help())
+        print(config_docs.help_text(Config))
         sys.exit(0)
     try:
         if "--dry_run" in sys.argv[1:]:

@@ -18,7 +18,10 @@ What it does, in order:
   5. prints per side: the median iteration time over iterations 2..N (pooled over repeats), the median of
      each phase, the peak RSS (median over repeats) and the import baseline, then ours/peer ratios; also
      the mean reward and the last iteration's per-token KL of each side, and a warning when other
-     processes used the CPU during a run (measured from /proc/stat: such timings are meaningless).
+     processes used the CPU during a run (measured from /proc/stat: such timings are meaningless);
+  6. ours logs perf/mfu against this machine's fp32 matmul peak, measured first (the fastest of 80
+     matmuls of transformer shapes on all cores; a CPU has no datasheet figure that PyTorch reaches),
+     passed as --peak_tflops; its medians are printed with the rest.
 Everything goes under --out (default runs/bench): per run its log, metrics.jsonl / iterations.jsonl,
 and results.json with every number printed.
 """
@@ -38,6 +41,7 @@ WORKLOADS = {   # name: (config, asset builder, asset dir, default iterations)
     "w1": ("configs/w1.yaml", "scripts/make_w1.py", "runs/w1_assets", 10),
     "w3": ("configs/w3.yaml", "scripts/make_w3.py", "runs/w3_assets", 6),
 }
+MFU_KEYS = ("perf/mfu", "perf/mfu/actor", "perf/mfu/critic")
 OURS_PHASES = ("gen", "score", "forward", "update", "sync", "log")
 PEER_PHASES = ("gen", "score", "forward", "update", "other")
 # What each side's process imports in a single-process run (train_ppo.py imports most of its stack lazily).
@@ -131,17 +135,35 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def run_ours(name: str, rep: int, iterations: int, out: Path, env: dict) -> dict:
+MEASURE_PEAK = """
+import time, torch
+best = 0.0
+for m, k, n in [(1024, 1024, 1024), (2048, 1024, 1024), (1280, 256, 512), (1280, 512, 256)]:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    for _ in range(3): a @ b
+    for _ in range(20):
+        start = time.perf_counter(); a @ b; best = max(best, 2 * m * k * n / (time.perf_counter() - start))
+print(best / 1e12)
+"""
+
+
+def measured_peak_tflops() -> float:
+    """This machine's fp32 matmul throughput (TFLOPS), the yardstick for ours' perf/mfu."""
+    proc = subprocess.run([sys.executable, "-c", MEASURE_PEAK], capture_output=True, text=True, check=True)
+    return float(proc.stdout.split()[-1])
+
+
+def run_ours(name: str, rep: int, iterations: int, out: Path, env: dict, peak_tflops: float) -> dict:
     config = WORKLOADS[name][0]
     run_dir = out / name / f"ours_{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "train_ppo.py", "--config", config, f"--output_dir={run_dir}",
            f"--total_training_steps={iterations}", "--resume=never", "--save_freq=-1",
            f"--mlflow_tracking_uri=sqlite:///{out / 'mlflow.db'}", "--mlflow_experiment=bench",
-           f"--run_name={name}_ours_{rep}"]
+           f"--run_name={name}_ours_{rep}", f"--peak_tflops={peak_tflops}"]
     result = run_measured(cmd, out / name / f"ours_{rep}.log", env)
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time/step_s" in r]
-    result["iterations"] = [{k: v for k, v in r.items() if k.startswith("time/") or k in
+    result["iterations"] = [{k: v for k, v in r.items() if k.startswith(("time/", "perf/mfu")) or k in
                              ("step", "reward/score_mean", "kl/mean")} for r in rows]
     result["config"] = str(run_dir / "config.yaml")
     return result
@@ -172,6 +194,7 @@ def summarize(runs: list[dict], phases: tuple, baseline: float) -> dict:
     summary["kl_last"] = median([r["iterations"][-1].get("kl/mean", float("nan")) for r in runs if r["iterations"]])
     summary["peak_above_import_gb"] = summary["peak_rss_gb"] - baseline
     summary["phase_sum_s"] = median([sum(it.get(f"time/{p}_s", 0.0) for p in phases) for it in later])
+    summary["mfu"] = {k: median([it[k] for it in later if k in it]) for k in MFU_KEYS if any(k in it for it in later)}
     return summary
 
 
@@ -199,6 +222,8 @@ def report(name: str, ours: dict, peer: dict) -> None:
     row("process wall time (median)", ours["wall_s"], peer["wall_s"], "s", "{:.1f}")
     print(f"  {'reward, mean of iterations':<30} {ours['score_mean']:>9.4f} {peer['score_mean']:>9.4f}")
     print(f"  {'KL per token, last iteration':<30} {ours['kl_last']:>9.4f} {peer['kl_last']:>9.4f}")
+    for key, value in ours["mfu"].items():
+        print(f"  {key + ' (ours)':<30} {value:>9.1%}   of the measured matmul peak")
     busy = max(ours["other_busy_cores"], peer["other_busy_cores"])
     if busy > BUSY_WARN_CORES:
         print(f"  WARNING: other processes used up to {busy:.2f} cores during these runs: the timings are skewed")
@@ -231,13 +256,15 @@ def main():
                  "peer": import_baseline(peer_python, PEER_IMPORTS, out / "import_peer")}
     log(f"import baseline RSS: ours {baselines['ours']:.3f} GB, peer {baselines['peer']:.3f} GB")
 
-    results = {"baselines": baselines, "workloads": {}}
+    peak_tflops = measured_peak_tflops()
+    log(f"fp32 matmul peak of this machine: {peak_tflops:.3f} TFLOPS (the yardstick of perf/mfu)")
+    results = {"baselines": baselines, "peak_tflops": peak_tflops, "workloads": {}}
     for name in names:
         iterations = args.iterations or WORKLOADS[name][3]
         runs = {"ours": [], "peer": []}
         for rep in range(1, args.repeats + 1):
             log(f"{name} repeat {rep}/{args.repeats}: ours, {iterations} iterations")
-            ours = run_ours(name, rep, iterations, out, env)
+            ours = run_ours(name, rep, iterations, out, env, peak_tflops)
             runs["ours"].append(ours)
             log(f"  ours: {median([i['time/step_s'] for i in ours['iterations'][1:]]):.2f} s/iteration, "
                 f"peak RSS {ours['peak_rss_gb']:.2f} GB, {ours['wall_s']:.0f} s in all, "

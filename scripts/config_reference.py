@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import config_docs  # noqa: E402
 import train_ppo  # noqa: E402
 import verl_to_config as v2c  # noqa: E402
 
@@ -63,11 +64,11 @@ TRL_FIELDS = {
 def config_table() -> str:
     """The config reference: every key of train_ppo.Config by section, as --help lists them."""
     out = []
-    for section, fields in train_ppo.config_sections():
+    for section, fields in config_docs.sections(train_ppo.Config):
         out += [f"**{section}**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for f in fields:
             text = f.metadata["help"].replace("|", "\\|")
-            out.append(f"| `{f.name}` | {train_ppo.key_type(f).replace('|', 'or')} | `{train_ppo.key_default(f)}` | {text} |")
+            out.append(f"| `{f.name}` | {config_docs.key_type(train_ppo.Config, f).replace('|', 'or')} | `{config_docs.key_default(f)}` | {text} |")
         out.append("")
     return "\n".join(out)
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import config_docs
 import train_ppo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +22,7 @@ def test_help_lists_every_key_once_under_a_section():
     names = [f.name for f in dataclasses.fields(train_ppo.Config)]
     listed = [line.split()[0][2:] for line in proc.stdout.splitlines() if line.startswith("  --")]
     assert sorted(listed) == sorted(names)
-    sections = train_ppo.config_sections()
+    sections = config_docs.sections(train_ppo.Config)
     assert len(sections) >= 10 and all(fields for _, fields in sections)
 
 

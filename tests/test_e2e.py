@@ -50,7 +50,7 @@ def short_run(tmp_path_factory):
     out = tmp / "out"
     proc = run(tmp, f"--output_dir={out}", "--total_training_steps=3", "--test_freq=2", "--use_kl_loss=true",
                "--rollout_is=token", "--log_prob_micro_batch_size_per_device=32", "--critic_gradient_checkpointing=true",
-               *FAST)
+               "--peak_tflops=1", *FAST)
     return tmp, out, proc
 
 
@@ -75,6 +75,8 @@ def test_short_run_writes_the_metrics_contract(short_run):
         assert not missing, f"step {r['step']} lacks {missing}"
         bad = {k: v for k, v in r.items() if not math.isfinite(v)}
         assert not bad, f"step {r['step']} has non-finite {bad}"
+        for key in ("perf/mfu", "perf/mfu/actor", "perf/mfu/critic"):   # a 2-core CPU is far below 1 TFLOPS
+            assert 0 < r[key] < 1, (key, r[key])
     assert "val/accuracy" in records[2] and "val/accuracy" in records[3]   # test_freq=2 and the last step
     assert "val/accuracy" not in records[1]
     assert records[1]["kl/mean"] == pytest.approx(0.0, abs=1e-6)          # actor == ref before any update
@@ -180,6 +182,7 @@ def test_vllm_engine_run_keeps_sampler_and_actor_in_sync(tmp_path):
     for r in records[1:]:
         assert r["rollout/logprob_diff"] < 1e-3
         assert r["time/sync_s"] > 0
+        assert "perf/mfu" not in r   # no peak_tflops, and a CPU's peak is not known
         assert r["rollout_is/weight_mean"] == pytest.approx(1.0, abs=1e-2)   # fp32 sampler == actor, up to rounding
     assert records[3]["kl/mean"] > 1e-4    # the actor did change, so the sync carried real updates
 
