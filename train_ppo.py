@@ -35,6 +35,7 @@ import config_docs
 import console
 import distributed
 import flops
+import host_memory
 import kl
 import lean_imports
 import packing
@@ -104,6 +105,8 @@ class Config:
     save_freq: int = opt(-1, "checkpoint every N steps (also on SIGTERM/SIGINT, then exit); -1 = only on a signal")
     save_total_limit: int = opt(2, "keep only the newest K checkpoints")
     resume: str = opt("auto", "auto (newest complete checkpoint in output_dir/checkpoints) | never | a checkpoint path")
+    malloc_mmap_threshold_mb: float = opt(4.0, "host blocks of this size and more are returned to the OS when freed "
+                                               "(glibc; host_memory.py); 0 = glibc's adaptive default")
     # guards
     kl_rollback_threshold: float = opt(0.0, "kl/mean above this reloads the last checkpoint with a lower actor lr; 0 = off")
     rollback_lr_factor: float = opt(0.5, "each rollback multiplies the actor's learning rate by this")
@@ -321,6 +324,7 @@ def validate_config(cfg: Config) -> None:
                 "ppo_micro_batch_size_per_device", "max_prompt_length", "max_response_length", "rollout_micro_batch_size"):
         need(getattr(cfg, key) > 0, f"{key} must be > 0, got {getattr(cfg, key)}")
     need(cfg.clip_ratio_c > 1, f"clip_ratio_c must be > 1, got {cfg.clip_ratio_c}")
+    need(cfg.malloc_mmap_threshold_mb >= 0, f"malloc_mmap_threshold_mb must be >= 0, got {cfg.malloc_mmap_threshold_mb}")
     need(cfg.peak_tflops >= 0, f"peak_tflops must be >= 0 (0 = look the device up), got {cfg.peak_tflops}")
     need(cfg.kl_ctrl_type in kl.CONTROLLERS, f"kl_ctrl_type must be one of {sorted(kl.CONTROLLERS)}, got {cfg.kl_ctrl_type!r}")
     if cfg.use_kl_in_reward and cfg.kl_ctrl_type == "adaptive":
@@ -1616,6 +1620,7 @@ def setup(cfg: Config) -> Run:
     """Accelerator, models (DeepSpeed engines under DeepSpeed), data, rollout engine, tracking; a
     checkpoint to resume from is found and checked before any model loads, and loaded after."""
     lean_imports.skip_unused()   # before Accelerate imports DeepSpeed (load_models repeats it for direct callers)
+    host_memory.return_large_blocks(cfg.malloc_mmap_threshold_mb)   # before the models' tensors exist
     import yaml
     from accelerate.utils import set_seed
 
