@@ -10,8 +10,11 @@ returned while a later block sits above it: the resident memory keeps the fragme
 phase. A fixed threshold gives each block of that size or more its own mapping, unmapped when
 freed (and turns the adaptation off). The cost is the page faults of fresh mappings.
 
-Measured on W3 (2-core CPU, 5 iterations, median iteration, peak RSS of the process): glibc's
-default 7.4 s, 1.52 GB; 16 MiB 7.8 s, 1.49 GB; 4 MiB 7.9 s, 1.40 GB; 1 MiB 10.6 s, 1.34 GB.
+Measured on W3 (2-core CPU): peak RSS 1.52 -> 1.40 GB with 4 MiB in a 5-iteration run, 1.51 ->
+1.45 GB in scripts/bench.py (W3 ratio to TRL 0.49x -> 0.47x); but iterations 10-15% slower (back to
+back, 2 runs each: 8.7 and 7.6 s -> 9.5 and 8.9 s, system time 6 -> 14 s per run: page faults).
+16 MiB: 1.49 GB; 1 MiB: 1.34 GB at 40% slower. So it is off by default: a lever for a host short of
+memory (several ranks on one CPU machine), not a free gain.
 With another C library (musl, macOS, Windows) this does nothing.
 """
 import ctypes
