@@ -22,13 +22,15 @@ CURVES = ("reward/score_mean", "val/accuracy", "kl/mean", "actor/entropy", "crit
 class Tracker:
     def __init__(self, out_dir: Path, enabled: bool, *, uri: str, experiment: str, run_name: str,
                  params: dict, tags: dict, datasets: dict[str, list[str]], system_metrics: bool = False,
-                 resumed: dict | None = None):
+                 resumed: dict | None = None, log_model: bool = True):
         """uri: '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db. params: the whole config.
         datasets: context (training, validation, ...) -> the files, logged as MLflow dataset inputs.
         system_metrics: MLflow's own CPU/memory/GPU sampling of this process's machine.
+        log_model: the final model logged to the run at the end (else it is only in final/).
         resumed: a checkpoint's trainer state. Its steps stay in metrics.jsonl (later ones are
         dropped, to be written again) and its MLflow run is continued when the store has it."""
         self.enabled, self.out_dir, self.run_id, self.uri = enabled, out_dir, None, ""
+        self.log_model = log_model
         self.history: list[dict] = []
         if not enabled:
             return
@@ -108,7 +110,7 @@ class Tracker:
             return
         self.metrics_file.close()
         self.log_curves()
-        if final_dir is not None:
+        if final_dir is not None and self.log_model:
             self._try("the final model", lambda: self._log_model(final_dir))
         unsent = self.sender.close(timeout=60)
         if unsent:

@@ -129,6 +129,8 @@ class Config:
     mlflow_experiment: str = opt("ppo", "MLflow experiment name")
     run_name: str = opt("", "MLflow run name; '' = the output_dir's name")
     mlflow_system_metrics: bool = opt(False, "MLflow samples CPU, memory (and GPU) use of the machine into the run")
+    mlflow_log_model: bool = opt(True, "log the final model to the MLflow run as a transformers model (a few "
+                                       "seconds even for a tiny model); it is in output_dir/final either way")
     log_samples: int = opt(16, "validation generations logged to MLflow as a table, per validation")
     peak_tflops: float = opt(0.0, "the device's dense peak TFLOPS at the run's precision, for perf/mfu; 0 = known "
                                   "GPUs by name (flops.py), none on other devices (CPUs): no perf/mfu")
@@ -1681,6 +1683,7 @@ def setup(cfg: Config) -> Run:
     run.tracker = Tracker(out_dir, accelerator.is_main_process, uri=cfg.mlflow_tracking_uri,
                           experiment=cfg.mlflow_experiment, run_name=cfg.run_name, params=dataclasses.asdict(cfg),
                           tags=tags, system_metrics=cfg.mlflow_system_metrics, resumed=resumed,
+                          log_model=cfg.mlflow_log_model,
                           datasets={"training": _split_files(cfg.train_files), "validation": _split_files(cfg.val_files),
                                     "sft": _split_files(cfg.sft_files)})
     return run

@@ -103,8 +103,8 @@ def test_values_the_optimizer_or_sampler_would_refuse_are_named(override, key):
 
 def run(tmp_path, *args):
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
-    return subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "--mlflow_log_model=false", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_output_dir_that_cannot_be_written_is_one_line(tmp_path):

@@ -42,7 +42,8 @@ def launch_command(tmp_path, accel_config, *args, env_extra=None):
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel_config),
-           "--main_process_port", str(29500 + os.getpid() % 1000), str(ROOT / "train_ppo.py"), *args]
+           "--main_process_port", str(29500 + os.getpid() % 1000), str(ROOT / "train_ppo.py"),
+           "--mlflow_log_model=false", *args]   # the model logging is tested single-process
     return cmd, env
 
 

@@ -20,7 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
 ARGS = ["--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=16",
-        "--ppo_epochs=1", "--total_training_steps=6", "--save_freq=2", "--test_freq=3", "--save_total_limit=2"]
+        "--ppo_epochs=1", "--total_training_steps=6", "--save_freq=2", "--test_freq=3", "--save_total_limit=2",
+        "--mlflow_log_model=false"]
 
 
 def command(out, *extra):
