@@ -41,10 +41,9 @@ class Shape:
 
 
 def shape_of(model) -> Shape:
-    """Read from the modules themselves (their in/out features survive ZeRO-3 partitioning, and a
-    LoRA adapter's own layers are counted with the base ones)."""
-    while hasattr(model, "module"):
-        model = model.module
+    """Of a Hugging Face model (unwrapped from DeepSpeed/DDP), read from its modules themselves:
+    their in/out features survive ZeRO-3 partitioning, and a LoRA adapter's own layers are counted
+    with the base ones."""
     weights = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
     config = model.config
     heads = config.num_attention_heads

@@ -16,9 +16,8 @@ from errors import UserError
 
 
 class Guards:
-    """Keeps a long run alive: a KL drift or a run of skipped (non-finite) optimizer steps rolls
-    back to the last checkpoint with a lower actor lr; entropy collapse is warned about and, with
-    entropy_floor, reacted to (another sampling temperature and/or entropy bonus until it recovers)."""
+    """The guards' state (rollbacks so far, skipped steps in a row, the entropy reaction), saved in
+    checkpoints."""
 
     def __init__(self, cfg):   # train_ppo's Config
         self.cfg, self.rollbacks, self.consecutive_skips = cfg, 0, 0

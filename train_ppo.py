@@ -1671,7 +1671,7 @@ def setup(cfg: Config) -> Run:
         if accelerator.is_main_process:
             print(f"resuming from {ckpt} (step {resumed['step']})", flush=True)
     run.resumed = resumed
-    run.shapes = {role: flops.shape_of(m) for role, m in
+    run.shapes = {role: flops.shape_of(_unwrap(m)) for role, m in
                   (("actor", actor), ("ref", ref), ("critic", critic), ("reward", scorer.reward_model)) if m is not None}
     run.peak_flops = flops.peak(accelerator.device, cfg.dtype == "bf16", cfg.peak_tflops)
     run.engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, [gathered_params(actor, ds), autocast],
