@@ -1673,7 +1673,10 @@ def setup(cfg: Config) -> Run:
     run.resumed = resumed
     run.shapes = {role: flops.shape_of(_unwrap(m)) for role, m in
                   (("actor", actor), ("ref", ref), ("critic", critic), ("reward", scorer.reward_model)) if m is not None}
-    run.peak_flops = flops.peak(accelerator.device, cfg.dtype == "bf16", cfg.peak_tflops)
+    # the lowest over ranks (a collective every rank runs here), so that with GPUs of different
+    # kinds every rank logs perf/mfu or none does: the step's metrics are reduced as one tensor
+    peak = torch.tensor([flops.peak(accelerator.device, cfg.dtype == "bf16", cfg.peak_tflops)], device=accelerator.device)
+    run.peak_flops = float(accelerator.gather(peak).min())
     run.engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, [gathered_params(actor, ds), autocast],
                              world, rank)
     run.engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))   # e.g. a resumed actor
