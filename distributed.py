@@ -6,13 +6,14 @@ ZeRO-3 parameter gathering that generation and weight sync need. train_ppo.py ca
 from __future__ import annotations
 
 import copy
+import json
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from errors import UserError
+from errors import UserError, first_line
 
 
 @dataclass
@@ -40,11 +41,54 @@ def make_accelerator(bf16: bool, roles: dict[str, Role], owned: dict[str, tuple[
     if importlib.util.find_spec("deepspeed") is None:
         raise UserError("the accelerate config asks for DeepSpeed, which is not installed: run ./install.sh, "
                         "or launch with accelerate_configs/single.yaml / plain python")
-    from accelerate.utils import DeepSpeedPlugin
-    base = DeepSpeedPlugin().deepspeed_config       # the launched config: a JSON file or YAML keys
+    base = launched_deepspeed_config()
     check_deepspeed_config(base, owned, bf16)
     plugins = deepspeed_plugins(base, roles, world, bf16)
     return Accelerator(mixed_precision=precision, deepspeed_plugins=plugins, kwargs_handlers=handlers), True
+
+
+def launched_deepspeed_config() -> dict:
+    """The DeepSpeed config this process was launched with (the accelerate config's
+    deepspeed_config_file, or its deepspeed_config keys), read through Accelerate. A missing file
+    (Accelerate then reports a failed base64 decode), bad JSON or a setting of the wrong type would
+    stop the run inside Accelerate or DeepSpeed with a traceback: named here in one line instead."""
+    from accelerate.utils import DeepSpeedPlugin
+    file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    what = "the accelerate config's deepspeed_config"
+    if file != "none":
+        what = f"deepspeed_config_file {file}"
+        if not os.path.isfile(file):
+            relative = "" if os.path.isabs(file) else f" (relative to the working directory {os.getcwd()})"
+            raise UserError(f"the accelerate config's deepspeed_config_file {file} does not exist{relative}")
+        try:
+            with open(file, encoding="utf-8") as f:
+                _check_types(json.load(f), what)
+        except ValueError as e:   # JSONDecodeError and UnicodeDecodeError
+            raise UserError(f"{what} is not valid JSON: {e}") from None
+    try:
+        conf = DeepSpeedPlugin().deepspeed_config
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise UserError(f"{what}: {first_line(e)}") from None
+    _check_types(conf, what)
+    return conf
+
+
+def _check_types(conf, what: str) -> None:
+    """Sections are JSON objects, and the ZeRO settings pass DeepSpeed's own validation ("auto"
+    values aside: Accelerate fills them from the model later)."""
+    if not isinstance(conf, dict):
+        raise UserError(f"{what} must hold a JSON object of settings, got a {type(conf).__name__}")
+    for section in ("zero_optimization", "bf16", "fp16"):
+        if section in conf and not isinstance(conf[section], dict):
+            raise UserError(f"{what}: {section} must be an object of settings, got {conf[section]!r:.40}")
+    import pydantic
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    try:
+        DeepSpeedZeroConfig(**{k: v for k, v in conf.get("zero_optimization", {}).items() if v != "auto"})
+    except pydantic.ValidationError as e:
+        problem = e.errors()[0]
+        key = ".".join(str(part) for part in ("zero_optimization", *problem["loc"]))
+        raise UserError(f"{what}: {key}={problem.get('input')!r:.40}: {problem['msg']}") from None
 
 
 def deepspeed_plugins(base: dict, roles: dict[str, Role], world: int, bf16: bool) -> dict:
@@ -112,8 +156,7 @@ def launched_zero() -> tuple[int | None, dict[str, bool]]:
     process was launched with, read without starting anything; (None, all False) without DeepSpeed."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return None, {"optimizer": False, "param": False}
-    from accelerate.utils import DeepSpeedPlugin
-    zero = DeepSpeedPlugin().deepspeed_config.get("zero_optimization", {})
+    zero = launched_deepspeed_config().get("zero_optimization", {})
     return zero.get("stage", 0), {k: zero.get(f"offload_{k}", {}).get("device", "none") not in ("none", None)
                                   for k in ("optimizer", "param")}
 

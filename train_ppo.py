@@ -406,6 +406,7 @@ def validate_config(cfg: Config) -> None:
          f"sft_coef and sft_batch_size must be >= 0, got {cfg.sft_coef} and {cfg.sft_batch_size}")
     for key in ("train_files", "val_files", "sft_files"):
         for path in _split_files(getattr(cfg, key)):
+            need(not Path(path).is_dir(), f"{key}: {path} is a directory; give parquet or jsonl files, comma-separated")
             need(Path(path).is_file(), f"{key}: file {path} does not exist")
     need(_split_files(cfg.train_files), "train_files is empty: give at least one parquet or jsonl file")
 
@@ -748,8 +749,11 @@ def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str,
                                 f"{list(frame.columns)}")
         kept = []
         for row, prompt in enumerate(frame[key]):
-            text = _render_prompt(prompt, tokenizer, path, row)
+            text = _render_prompt(prompt, tokenizer, path, row, f"{key!r} (prompt_key)")
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if not tokens and text.strip():
+                raise UserError(f"{path}: row {row}: the tokenizer of model_path turns the prompt {text[:60]!r} into no "
+                                "tokens (its vocabulary does not cover this text): check model_path's tokenizer files")
             if not tokens:
                 raise UserError(f"{path}: row {row} has an empty prompt")
             if len(tokens) > max_len:
@@ -783,7 +787,8 @@ def load_sft(cfg: Config, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
             if column not in frame.columns:
                 raise UserError(f"{path}: no column {column!r} ({key}); its columns are {list(frame.columns)}")
         for row, (prompt, response) in enumerate(zip(frame[cfg.sft_prompt_key], frame[cfg.sft_response_key])):
-            p = tokenizer(_render_prompt(prompt, tokenizer, path, row), add_special_tokens=False)["input_ids"]
+            p = tokenizer(_render_prompt(prompt, tokenizer, path, row, f"{cfg.sft_prompt_key!r} (sft_prompt_key)"),
+                          add_special_tokens=False)["input_ids"]
             if not isinstance(response, str) or not response:
                 raise UserError(f"{path}: row {row}: the SFT response must be a non-empty string, got {response!r}")
             r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -797,7 +802,7 @@ def load_sft(cfg: Config, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, responses
 
 
-def _render_prompt(prompt, tokenizer, path, row) -> str:
+def _render_prompt(prompt, tokenizer, path, row, column: str = "the prompt column") -> str:
     if isinstance(prompt, str):
         return prompt
     if hasattr(prompt, "tolist"):
@@ -810,7 +815,8 @@ def _render_prompt(prompt, tokenizer, path, row) -> str:
             return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         except Exception as e:
             raise UserError(f"{path}: row {row}: the chat template cannot render these messages: {e}") from None
-    raise UserError(f"{path}: row {row}: a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+    raise UserError(f"{path}: row {row}: a prompt must be a string or a list of chat messages, got "
+                    f"{type(prompt).__name__} {prompt!r:.40} in column {column}")
 
 
 def load_reward_fn(spec: str):
@@ -819,10 +825,43 @@ def load_reward_fn(spec: str):
     module, name = spec.split(":", 1)
     sys.path.insert(0, str(HERE))   # rewards/ ships next to this file
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"reward_fn {spec!r} cannot be loaded: {e}") from None
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and (module == e.name or module.startswith(e.name + ".")):
+            raise UserError(f"reward_fn {spec!r}: no module named {e.name!r} on the Python path (this repository and "
+                            f"PYTHONPATH): add the module's directory to PYTHONPATH") from None
+        raise UserError(f"reward_fn {spec!r}: importing {module} raised {_raised_at(e, module)}") from None
+    except Exception as e:   # the user's code runs at import: a SyntaxError, or anything it raises
+        raise UserError(f"reward_fn {spec!r}: importing {module} raised {_raised_at(e, module)}") from None
+    fn = getattr(mod, name, None)
+    if fn is None:
+        raise UserError(f"reward_fn {spec!r}: module {module} ({getattr(mod, '__file__', '?')}) has no {name!r}")
+    if not callable(fn):
+        raise UserError(f"reward_fn {spec!r}: {module}.{name} = {fn!r:.40} is not a function")
+    import inspect
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):   # some builtins have none to check
+        return fn
+    try:   # called as fn(prompts, responses, **columns): refused now rather than after the first rollout
+        signature.bind([], [], **{column: [] for column in reward_fn_columns(fn)})
+    except TypeError as e:
+        raise UserError(f"reward_fn {spec!r}: {name}{signature} cannot be called as {name}(prompts, responses, "
+                        f"<dataset columns as keywords>): {e}") from None
     return fn
+
+
+def _raised_at(e: BaseException, module: str) -> str:
+    """'Type: message (file, line N)': where the import raised, in the module's own file if it
+    appears in the traceback (else the innermost frame)."""
+    if isinstance(e, SyntaxError):
+        return f"SyntaxError: {e.msg} ({e.filename}, line {e.lineno})"
+    import traceback
+    frames = traceback.extract_tb(e.__traceback__)
+    own = module.replace(".", os.sep)
+    mine = [f for f in frames if f.filename.endswith((own + ".py", os.path.join(own, "__init__.py")))]
+    at = (mine or frames)[-1:]
+    return f"{type(e).__name__}: {first_line(e)}" + (f" ({at[0].filename}, line {at[0].lineno})" if at else "")
 
 
 def reward_fn_columns(fn) -> list[str]:
@@ -1042,18 +1081,12 @@ def load_models(cfg: Config):
     lean_imports.skip_unused()
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
                               AutoModelForTokenClassification, AutoTokenizer)
-    tokenizer = _load("model_path", cfg.model_path, AutoTokenizer.from_pretrained, "tokenizer")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(cfg.model_path, AutoTokenizer)
     # weights stay fp32 for the trained models (bf16 runs under autocast); frozen ones may be bf16
     frozen_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     actor = _load("model_path", cfg.model_path, AutoModelForCausalLM.from_pretrained, dtype=torch.float32)
     if cfg.lora_rank:
-        from peft import LoraConfig, get_peft_model
-        targets = (cfg.lora_target_modules if cfg.lora_target_modules == "all-linear"
-                   else [t.strip() for t in cfg.lora_target_modules.split(",") if t.strip()])
-        actor = get_peft_model(actor, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
-                                                 lora_dropout=0.0, task_type="CAUSAL_LM"))
+        actor = _with_lora(actor, cfg)
     ref = None
     if (cfg.use_kl_in_reward or cfg.use_kl_loss) and not cfg.lora_rank:
         ref = _load("ref_model_path" if cfg.ref_model_path else "model_path", cfg.ref_model_path or cfg.model_path,
@@ -1080,6 +1113,10 @@ def load_models(cfg: Config):
                             f"scores from; use a decoder model's ForSequenceClassification class")
         reward_model.config.pad_token_id = tokenizer.pad_token_id
         reward_model.requires_grad_(False)
+    for key, model in (("model_path", actor), ("critic_model_path", critic), ("ref_model_path", ref),
+                       ("reward_model_path", reward_model)):
+        if model is not None:
+            _check_fits_model(cfg, key if getattr(cfg, key) else "model_path", model.config, len(tokenizer))
     # dropout off in every model, trained ones too (TRL's PPO does the same): PPO's ratio compares
     # two forward passes of the same weights, which dropout would make differ. Not left to the
     # loaders: PEFT's get_peft_model returns a model in training mode
@@ -1114,6 +1151,63 @@ def recompute_activations(model, on: bool):
     finally:
         for layer in layers:
             layer.training = False
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def load_tokenizer(path: str, auto_tokenizer):
+    """model_path's tokenizer, with a pad token (EOS when it has none). Without tokenizer files
+    transformers builds an empty one from config.json's model type, which turns every prompt into
+    no tokens; without EOS no response could end: both are refused here, naming the directory."""
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"model_path: {path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}): copy "
+                        "them from the model the weights come from")
+    tokenizer = _load("model_path", path, auto_tokenizer.from_pretrained, "tokenizer")
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"model_path: the tokenizer in {path} has no EOS token, so no response could end: set "
+                        "eos_token in its tokenizer_config.json")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _with_lora(actor, cfg: Config):
+    """The actor wrapped in PEFT LoRA adapters. PEFT ignores a listed name that matches nothing as
+    long as another one matches (a typo then trains fewer modules than asked, silently): every name
+    must match a module."""
+    from peft import LoraConfig, get_peft_model
+    targets = cfg.lora_target_modules
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+        names = [n for n, _ in actor.named_modules()]
+        missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in actor.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise UserError(f"lora_target_modules: {cfg.model_path} has no module named {', '.join(missing)}; its "
+                            f"linear layers are {', '.join(linear)} (or use all-linear)")
+    try:
+        return get_peft_model(actor, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
+                                                lora_dropout=0.0, task_type="CAUSAL_LM"))
+    except Exception as e:   # PEFT raises ValueError (and its own types) for modules it cannot wrap
+        raise UserError(f"lora_target_modules={cfg.lora_target_modules}: PEFT cannot add LoRA adapters to "
+                        f"{cfg.model_path}: {first_line(e)}") from None
+
+
+def _check_fits_model(cfg: Config, key: str, config, vocab: int) -> None:
+    """A sequence (prompt + response) must fit the model's positions; vLLM refuses it naming only
+    its own max_model_len, and models with learned positions fail inside the forward pass."""
+    positions = getattr(config, "max_position_embeddings", None)
+    length = cfg.max_prompt_length + cfg.max_response_length
+    if isinstance(positions, int) and length > positions:
+        raise UserError(f"max_prompt_length + max_response_length = {cfg.max_prompt_length} + "
+                        f"{cfg.max_response_length} = {length} > max_position_embeddings={positions} of {key} "
+                        f"{getattr(cfg, key)} (config.json): lower max_response_length or max_prompt_length")
+    rows = getattr(config, "vocab_size", None)
+    if isinstance(rows, int) and vocab > rows:
+        raise UserError(f"{key}: the tokenizer of model_path has {vocab} tokens but {getattr(cfg, key)} embeds only "
+                        f"vocab_size={rows} (config.json): use the tokenizer the model was trained with")
 
 
 def _load(key: str, path: str, loader, what: str = "model", **kwargs):
@@ -2034,9 +2128,7 @@ def dry_run(cfg: Config) -> bool:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     check_world_size(cfg, world)
     stage, offload = distributed.launched_zero()
-    tokenizer = _load("model_path", cfg.model_path, AutoTokenizer.from_pretrained, "tokenizer")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(cfg.model_path, AutoTokenizer)
     columns = Scorer(cfg, tokenizer, None).columns
     read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
                                       cfg.prompt_truncation, columns, cfg.reward_fn)
