@@ -129,8 +129,14 @@ def load_checkpoint(accelerator, ds: bool, path: Path, state: dict, trained: dic
                                       load_lr_scheduler_states=False)
         else:
             saved = safe_load(path / f"{name}.pt", map_location=accelerator.device)
-            accelerator.unwrap_model(model).load_state_dict(saved["model"])
-            optim.load_state_dict(saved["optim"])
+            try:
+                accelerator.unwrap_model(model).load_state_dict(saved["model"])
+                optim.load_state_dict(saved["optim"])
+            except (KeyError, ValueError, RuntimeError) as e:   # another model's weights, or a foreign file
+                # load_state_dict's first line only says "Error(s) in loading state_dict": the next names one
+                detail = " ".join(line.strip() for line in str(e).strip().splitlines()[:2]) or type(e).__name__
+                raise UserError(f"checkpoint file {path / f'{name}.pt'} does not fit this run's {name} ({detail}); "
+                                "pass --resume=never or another checkpoint") from None
         sched.load_state_dict(state["schedulers"][name])
     file = path / f"rank_{accelerator.process_index}.json"
     try:
@@ -148,6 +154,9 @@ def safe_load(file: Path, **kwargs):
         return torch.load(file, weights_only=True, **kwargs)
     except pickle.UnpicklingError as e:
         raise _refused(file, e) from None
+    except (OSError, RuntimeError, EOFError) as e:   # missing, truncated or not a torch file at all
+        raise UserError(f"checkpoint file {file} cannot be read ({first_line(e)}): the checkpoint is damaged; pass "
+                        "--resume=never or another checkpoint") from None
 
 
 @contextmanager

@@ -238,3 +238,32 @@ def test_launch_with_a_deepspeed_config_file_missing_from_the_working_directory(
     assert len(lines) == 2, proc.stderr[-3000:]   # one per rank
     assert all("deepspeed_config_file ds_configs/zero3.json does not exist" in ln for ln in lines)
     assert 'train_ppo.py", line' not in proc.stderr and 'distributed.py", line' not in proc.stderr
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+def test_truncated_checkpoint_file_is_named(tmp_path):
+    """torch.load's zip reader failed with a RuntimeError traceback."""
+    import torch
+    import checkpoints
+    file = tmp_path / "actor.pt"
+    torch.save({"model": torch.nn.Linear(64, 64).state_dict()}, file)
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    text = message(lambda: checkpoints.safe_load(file))
+    assert str(file) in text and "damaged" in text and "--resume=never" in text
+
+
+def test_checkpoint_of_another_model_is_named(tmp_path):
+    """The same config over a model directory whose weights changed shape: load_state_dict's
+    size mismatch named which file does not fit which model."""
+    import torch
+    from accelerate import Accelerator
+    import checkpoints
+    model, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)
+    optim = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0)
+    torch.save({"model": other.state_dict(), "optim": torch.optim.AdamW(other.parameters()).state_dict()},
+               tmp_path / "actor.pt")
+    state = {"world_size": 1, "schedulers": {"actor": sched.state_dict()}}
+    text = message(lambda: checkpoints.load_checkpoint(Accelerator(cpu=True), False, tmp_path, state,
+                                                       {"actor": (model, optim, sched)}))
+    assert str(tmp_path / "actor.pt") in text and "actor" in text and "size mismatch" in text
