@@ -124,6 +124,7 @@ def load_checkpoint(accelerator, ds: bool, path: Path, state: dict, trained: dic
                         f"{accelerator.num_processes}: resume with the same num_processes")
     for name, (model, optim, sched) in trained.items():
         if ds:
+            _check_deepspeed_shards(path / name / "state", state["world_size"])
             with _weights_only_deepspeed_load(path / name):
                 model.load_checkpoint(str(path / name), tag="state", load_optimizer_states=True,
                                       load_lr_scheduler_states=False)
@@ -145,6 +146,23 @@ def load_checkpoint(accelerator, ds: bool, path: Path, state: dict, trained: dic
         raise UserError(f"checkpoint {path}: {file.name} cannot be read ({e})") from None
     _set_rng_state(mine.pop("rng"))
     return mine
+
+
+def _check_deepspeed_shards(where: Path, world: int) -> None:
+    """DeepSpeed meets a missing or truncated shard with a bare AssertionError or a zip-reader
+    error on the rank that reads it, while the other ranks wait in a collective. Every rank checks
+    every rank's files here instead (a torch file is a zip archive: a truncated one has lost the
+    directory at its end), so all reach the same verdict without a collective."""
+    import zipfile
+    files = sorted(where.glob("*.pt"))
+    for rank in range(world):
+        if not any(f"zero_pp_rank_{rank}_" in f.name for f in files):
+            raise UserError(f"checkpoint {where.parent.parent}: {where} lacks the DeepSpeed shards of rank {rank}: the "
+                            "checkpoint is damaged; pass --resume=never or another checkpoint")
+    for file in files:
+        if not zipfile.is_zipfile(file):
+            raise UserError(f"checkpoint file {file} is truncated or not a torch file: the checkpoint is damaged; pass "
+                            "--resume=never or another checkpoint")
 
 
 def safe_load(file: Path, **kwargs):
