@@ -392,7 +392,8 @@ def validate_config(cfg: Config) -> None:
     need(cfg.reward_fn or cfg.reward_model_path, "set reward_fn ('module:function') or reward_model_path")
     for key in ("model_path", "critic_model_path", "ref_model_path", "reward_model_path"):
         path = getattr(cfg, key)
-        need(not path or Path(path).is_dir(), f"{key}: model directory {path} does not exist")
+        need(not path or Path(path).is_dir(), f"{key}: model directory {path} "
+             + ("is a file: give the directory that holds config.json" if Path(path).is_file() else "does not exist"))
     if cfg.entropy_floor:
         need(cfg.entropy_floor > 0, f"entropy_floor must be >= 0, got {cfg.entropy_floor}")
         need(cfg.entropy_floor_temperature is not None or cfg.entropy_floor_coeff is not None,
@@ -1085,6 +1086,13 @@ def load_models(cfg: Config):
     # weights stay fp32 for the trained models (bf16 runs under autocast); frozen ones may be bf16
     frozen_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     actor = _load("model_path", cfg.model_path, AutoModelForCausalLM.from_pretrained, dtype=torch.float32)
+    ends = getattr(actor.generation_config, "eos_token_id", None)
+    ends = [ends] if isinstance(ends, int) else list(ends or [])
+    if ends and tokenizer.eos_token_id not in ends:   # e.g. a tokenizer class's default EOS, added as a new token
+        print(f"warning: model_path: responses end at the tokenizer's EOS {tokenizer.eos_token!r} (id "
+              f"{tokenizer.eos_token_id}), which is not the model's (generation_config eos_token_id={ends}): set "
+              f"eos_token in {cfg.model_path}/tokenizer_config.json if the model was trained to end with another",
+              file=sys.stderr, flush=True)
     if cfg.lora_rank:
         actor = _with_lora(actor, cfg)
     ref = None

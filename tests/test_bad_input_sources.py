@@ -83,6 +83,22 @@ def test_tokenizer_without_eos_or_pad_is_refused_at_load(tmp_path):
     assert "model_path" in text and str(model) in text and "EOS" in text
 
 
+def test_tokenizer_whose_class_supplies_another_eos_is_warned_about(tmp_path, capsys):
+    """Without eos_token in tokenizer_config.json, Qwen2's tokenizer class adds its own default
+    EOS as a new token (id 48 here): the run trained on, responses never ending at the model's
+    EOS (id 2), without a word."""
+    model = copy_model(tmp_path, "config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                       "tokenizer_config.json")
+    conf = json.loads((model / "tokenizer_config.json").read_text())
+    conf.pop("eos_token"), conf.pop("pad_token")
+    (model / "tokenizer_config.json").write_text(json.dumps(conf))
+    train_ppo.load_models(small(model_path=str(model)))
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning: model_path")]
+    assert len(notes) == 1 and "eos_token_id=[2]" in notes[0] and "tokenizer_config.json" in notes[0]
+    train_ppo.load_models(small())   # the demo's tokenizer and model agree: no note
+    assert "warning: model_path" not in capsys.readouterr().err
+
+
 def test_tokenizer_larger_than_the_embedding_is_refused(tmp_path):
     """48 tokens into 40 embedding rows: an index error inside the first forward pass otherwise."""
     model = tiny_llama(tmp_path / "m", vocab_size=40)
@@ -148,6 +164,11 @@ def test_reward_functions_of_the_repository_still_load():
 def test_a_directory_given_as_data_files_is_called_a_directory(tmp_path):
     text = message(lambda: load_config([f"--val_files={tmp_path}"]))
     assert "val_files" in text and "is a directory" in text
+
+
+def test_a_file_given_as_model_path_is_called_a_file():
+    text = message(lambda: load_config([f"--model_path={DEMO_MODEL / 'config.json'}"]))
+    assert "model_path" in text and "is a file" in text
 
 
 def test_prompt_column_of_numbers_names_prompt_key_and_value(tmp_path):
