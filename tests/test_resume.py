@@ -19,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
+pytestmark = pytest.mark.slow   # every test here runs the script two or more times
 ARGS = ["--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=16",
         "--ppo_epochs=1", "--total_training_steps=6", "--save_freq=2", "--test_freq=3", "--save_total_limit=2",
         "--mlflow_log_model=false"]
@@ -50,11 +51,18 @@ def steps_logged(out):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_dir(tmp_path_factory):
+    """The uninterrupted run's output_dir (checkpoints step_4 and step_6): read, or copied by
+    tests that need a finished run's checkpoints to resume from."""
     tmp = tmp_path_factory.mktemp("ref")
     proc = run(tmp, tmp / "out")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return records(tmp / "out")
+    return tmp / "out"
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir):
+    return records(reference_dir)
 
 
 def start_and_kill(tmp, out, sig, after_lines, extra_delay):
@@ -114,14 +122,13 @@ def test_partial_and_corrupted_checkpoints_are_skipped_with_a_warning(tmp_path, 
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_4", "step_6"]   # save_total_limit=2
 
 
-def test_checkpoint_from_a_different_config_is_refused_naming_the_keys(tmp_path):
+def test_checkpoint_from_a_different_config_is_refused_naming_the_keys(tmp_path, reference_dir):
     out = tmp_path / "out"
-    proc = run(tmp_path, out, "--total_training_steps=2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(reference_dir, out)
     proc = run(tmp_path, out, "--actor_lr=0.5", "--clip_ratio=0.3")
     assert proc.returncode != 0
     assert "actor_lr" in proc.stderr and "clip_ratio" in proc.stderr and "--resume=never" in proc.stderr
-    assert [r["step"] for r in records(out)] == [0, 1, 2]   # nothing lost
+    assert [r["step"] for r in records(out)] == list(range(7))   # nothing lost
 
 
 def test_kl_spike_rolls_back_with_a_lower_lr_then_gives_up(tmp_path):
@@ -169,19 +176,18 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
-def test_checkpoint_file_carrying_a_pickled_callable_is_refused(tmp_path):
+def test_checkpoint_file_carrying_a_pickled_callable_is_refused(tmp_path, reference_dir):
     """A checkpoint is data: a tampered file is refused with an error naming it, and what it
     carries never runs."""
     import torch
     out = tmp_path / "out"
-    proc = run(tmp_path, out, "--total_training_steps=2", "--test_freq=-1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    actor = out / "checkpoints" / "step_2" / "actor.pt"
+    shutil.copytree(reference_dir, out)
+    actor = out / "checkpoints" / "step_6" / "actor.pt"
     saved = torch.load(actor, weights_only=True)
     marker = tmp_path / "pwned"
     saved["extra"] = _Payload(str(marker))
     torch.save(saved, actor)
-    proc = run(tmp_path, out, "--total_training_steps=3", "--test_freq=-1")
+    proc = run(tmp_path, out, "--total_training_steps=7")
     assert proc.returncode != 0
     assert not marker.exists(), "unpickling the checkpoint ran its payload"
     assert "Traceback" not in proc.stderr
