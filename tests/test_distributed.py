@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from mlflow_store import sqlite_uri
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow   # every test here launches 2 processes
 
@@ -40,7 +42,7 @@ main_training_function: main
 
 
 def launch_command(tmp_path, accel_config, *args, env_extra=None):
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel_config),
            "--main_process_port", str(29500 + os.getpid() % 1000), str(ROOT / "train_ppo.py"),

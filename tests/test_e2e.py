@@ -14,6 +14,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from mlflow_store import sqlite_uri
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
 DEMO_MODEL = ROOT / "examples" / "demo_model"
@@ -34,7 +36,7 @@ STEP_KEYS = [
 
 
 def run(tmp_path, *args, env_extra=None, timeout=600):
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
     env.update(env_extra or {})
     # the final model goes to MLflow in the run that checks it (short_run) only: it takes seconds
     return subprocess.run([sys.executable, str(SCRIPT), "--mlflow_log_model=false", *args], cwd=tmp_path, env=env,

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from mlflow_store import sqlite_uri
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
 ARGS = ["--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=16",
@@ -29,7 +31,7 @@ def command(out, *extra):
 
 
 def env_for(tmp):
-    return dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db", PYTHONUNBUFFERED="1")
+    return dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp), PYTHONUNBUFFERED="1")
 
 
 def run(tmp, out, *extra):
