@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from mlflow_store import sqlite_uri
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow   # every test here launches 2 processes
 
 # ignore_eos makes every response exactly 4 tokens; "NN+NN=" prompts are 6 tokens
 RUN = ["--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=8",
@@ -39,7 +42,7 @@ main_training_function: main
 
 
 def launch_command(tmp_path, accel_config, *args, env_extra=None):
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel_config),
            "--main_process_port", str(29500 + os.getpid() % 1000), str(ROOT / "train_ppo.py"),
@@ -52,21 +55,18 @@ def launch(tmp_path, accel_config, *args, env_extra=None, timeout=900):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("style", ["repo_json", "user_yaml"])
-def test_zero3_two_processes(tmp_path, style):
-    if style == "repo_json":
-        accel_config = ROOT / "accelerate_configs" / "zero3.yaml"
-    else:   # what `accelerate config` writes: ZeRO settings as YAML keys, no JSON file
-        accel_config = tmp_path / "accelerate.yaml"
-        accel_config.write_text(USER_STYLE_CONFIG)
-    out = tmp_path / "out"
-    proc = launch(tmp_path, accel_config, f"--output_dir={out}", *RUN)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-
-    shares = re.findall(r"rank (\d)/2: actor holds (\d+) of (\d+) parameters", proc.stdout + proc.stderr)
+def assert_zero3_sharded(output: str) -> None:
+    shares = re.findall(r"rank (\d)/2: actor holds (\d+) of (\d+) parameters", output)
     assert sorted(int(r) for r, _, _ in shares) == [0, 1]
     for _, local, total in shares:   # ZeRO-3: each rank keeps about half of every parameter
         assert int(local) / int(total) == pytest.approx(0.5, abs=0.02)
+
+
+def test_zero3_two_processes(tmp_path):
+    out = tmp_path / "out"
+    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}", *RUN)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert_zero3_sharded(proc.stdout + proc.stderr)
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]          # one writer: no duplicated lines
@@ -116,23 +116,6 @@ def test_zero3_two_processes_with_vllm(tmp_path):
     for r in records[1:]:
         assert r["rollout/logprob_diff"] < 1e-3
     assert records[2]["kl/mean"] > 1e-4   # far above rounding: the actor moved
-
-
-def test_zero3_checkpoint_resume_continues_like_the_uninterrupted_run(tmp_path):
-    """DeepSpeed checkpoints of every rank's shards: 2 steps, stop, resume to 4 == 4 straight.
-    Exact equality on purpose: both runs are on the same machine with the same process layout, so
-    the same operations round the same way."""
-    args = ["--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=8",
-            "--test_freq=-1", "--save_freq=2"]
-    config = ROOT / "accelerate_configs" / "zero3.yaml"
-    for out, steps in (("full", 4), ("part", 2), ("part", 4)):
-        proc = launch(tmp_path, config, f"--output_dir={tmp_path / out}", f"--total_training_steps={steps}", *args)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "resuming from" in proc.stdout
-    same = lambda out: [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
-                        for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in same("part")] == [0, 1, 2, 3, 4]
-    assert same("part") == same("full")
 
 
 @pytest.mark.parametrize("config", ["zero2", "zero3_offload"])
@@ -202,14 +185,17 @@ if os.environ.get("RANK") == "0" and os.environ.get("NAN_AT_BACKWARD"):
 def test_zero3_nan_gradient_on_one_rank_skips_the_step_everywhere(tmp_path):
     """A NaN gradient on rank 0 only (injected from outside the trainer, through sitecustomize):
     the optimizer step is skipped on both ranks before the weights change, counted in
-    actor/skipped_steps, and the run goes on."""
+    actor/skipped_steps, and the run goes on. Launched with what `accelerate config` writes (ZeRO
+    settings as YAML keys, no JSON file), which must shard like the repository's configs."""
     (tmp_path / "sitecustomize.py").write_text(NAN_GRADIENT_ONCE)
+    accel_config = tmp_path / "accelerate.yaml"
+    accel_config.write_text(USER_STYLE_CONFIG)
     out = tmp_path / "out"
     # per step and rank: critic backward #1, #2 (two mini-batches), then the actor's #3, #4
-    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}", *RUN,
-                  "--test_freq=-1", "--val_before_train=false",
+    proc = launch(tmp_path, accel_config, f"--output_dir={out}", *RUN, "--test_freq=-1", "--val_before_train=false",
                   env_extra={"PYTHONPATH": str(tmp_path), "NAN_AT_BACKWARD": "3"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert_zero3_sharded(proc.stdout + proc.stderr)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert records[0]["actor/skipped_steps"] == 1 and records[1]["actor/skipped_steps"] == 0
@@ -259,13 +245,18 @@ def run_until_checkpoint_then(cmd, env, out, step, act) -> tuple[int, float, str
 def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resumes(tmp_path):
     """SIGKILL of rank 1, then a double SIGINT of rank 0 alone (its second signal stops it at
     once): each time the whole launch ends within a minute, and the same command resumes from the
-    newest checkpoint and finishes with every step logged once."""
+    newest checkpoint (DeepSpeed checkpoints of every rank's shards) and finishes with every step
+    logged once and the uninterrupted run's numbers. Exact equality on purpose: both runs are on
+    the same machine with the same process layout, so the same operations round the same way."""
     import signal
     import time
+    config = ROOT / "accelerate_configs" / "zero3.yaml"
+    args = [*RUN[:-4], "--total_training_steps=6", "--save_freq=1", "--test_freq=-1", "--rollout_ignore_eos=true",
+            "--max_response_length=4"]
+    proc = launch(tmp_path, config, f"--output_dir={tmp_path / 'full'}", *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = tmp_path / "out"
-    cmd, env = launch_command(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}", *RUN[:-4],
-                              "--total_training_steps=6", "--save_freq=1", "--test_freq=-1",
-                              "--rollout_ignore_eos=true", "--max_response_length=4")
+    cmd, env = launch_command(tmp_path, config, f"--output_dir={out}", *args)
 
     code, took, output = run_until_checkpoint_then(cmd, env, out, 2, lambda pids: os.kill(pids[1], signal.SIGKILL))
     assert code != 0 and took < 60, output[-3000:]
@@ -281,8 +272,10 @@ def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resu
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resuming from" in proc.stdout
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(7))   # step 0: validation before training
+    same = lambda out: [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
+                        for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in same(out)] == list(range(7))   # step 0: validation before training
+    assert same(out) == same(tmp_path / "full")
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])

@@ -14,6 +14,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from mlflow_store import sqlite_uri
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
 DEMO_MODEL = ROOT / "examples" / "demo_model"
@@ -34,7 +36,7 @@ STEP_KEYS = [
 
 
 def run(tmp_path, *args, env_extra=None, timeout=600):
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
     env.update(env_extra or {})
     # the final model goes to MLflow in the run that checks it (short_run) only: it takes seconds
     return subprocess.run([sys.executable, str(SCRIPT), "--mlflow_log_model=false", *args], cwd=tmp_path, env=env,
@@ -153,6 +155,7 @@ def test_missing_prompt_column_names_file_and_columns(tmp_path):
     assert str(data) in proc.stderr and "'prompt'" in proc.stderr and "question" in proc.stderr
 
 
+@pytest.mark.slow
 def test_reward_returning_nan_stops_naming_the_sample_and_keeps_earlier_steps(tmp_path):
     (tmp_path / "flaky_reward.py").write_text(textwrap.dedent("""
         CALLS = [0]
@@ -171,6 +174,7 @@ def test_reward_returning_nan_stops_naming_the_sample_and_keeps_earlier_steps(tm
     assert [r["step"] for r in read_metrics(out)] == [1]
 
 
+@pytest.mark.slow
 def test_vllm_engine_run_keeps_sampler_and_actor_in_sync(tmp_path):
     """rollout_engine=vllm: the sampler's log-probs must match the actor's recomputed ones at every
     step while the actor moves away from its start (a broken weight sync would make them drift)."""
@@ -192,6 +196,7 @@ def test_vllm_engine_run_keeps_sampler_and_actor_in_sync(tmp_path):
     assert mlflow_run.info.status == "FINISHED" and "model_uri" not in mlflow_run.data.tags   # mlflow_log_model=false
 
 
+@pytest.mark.slow
 def test_sampler_drift_regenerates_the_step_on_policy(tmp_path):
     """rollout_on_drift=regenerate with a threshold below fp32 rounding: every step's vLLM samples
     count as drifted, so the weights are re-sent and the step is sampled again by the actor itself
@@ -210,6 +215,7 @@ def test_sampler_drift_regenerates_the_step_on_policy(tmp_path):
         assert r["rollout_is/weight_max"] == pytest.approx(1.0, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_lora_actor_with_vllm_sync_and_adapter_disabled_reference(tmp_path):
     """LoRA: only adapters train; the reference is the base model with adapters off; vLLM gets the
     merged weights every step; final/ holds the adapter (and, on request, the merged model)."""
@@ -234,6 +240,7 @@ def test_lora_actor_with_vllm_sync_and_adapter_disabled_reference(tmp_path):
     assert not torch.allclose(adapted, base, atol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
 def test_critic_free_estimators_train_without_a_critic(tmp_path, estimator):
     out = tmp_path / "out"
@@ -250,6 +257,7 @@ def test_critic_free_estimators_train_without_a_critic(tmp_path, estimator):
     assert records[1]["actor/lr"] < records[0]["actor/lr"]           # cosine decays
 
 
+@pytest.mark.slow
 def test_critic_warmup_holds_the_actor_back_as_verl_counts(tmp_path):
     """verl updates the actor once global_steps (from 1) >= critic_warmup: 2 skips step 1 only."""
     out = tmp_path / "out"
@@ -261,6 +269,7 @@ def test_critic_warmup_holds_the_actor_back_as_verl_counts(tmp_path):
     assert "actor/pg_loss" in second
 
 
+@pytest.mark.slow
 def test_the_critic_trains_on_its_own_schedule(tmp_path):
     """critic_ppo_epochs / critic_ppo_mini_batch_size (verl's critic.ppo_*): the critic's update
     changes while the actor's, which runs on values computed before any update, does not."""

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
@@ -26,6 +27,7 @@ def peak_row(stdout: str) -> list[float]:
     return [float(x) for x in line.split()[3:]]
 
 
+@pytest.mark.slow
 def test_dry_run_estimate_is_within_a_factor_of_1_5_of_a_real_run(tmp_path):
     """A 22M-parameter model (32k vocabulary), so model states, not libraries, make most of the
     peak: the estimated peak per rank must be within 1.5x of the measured peak RSS either way."""
@@ -66,6 +68,7 @@ def qwen25_05b(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_dry_run_on_the_gsm8k_config_under_zero3_prints_tables_for_1_and_8_ranks(tmp_path):
     model = qwen25_05b(tmp_path)
     rows = [{"prompt": [{"role": "user", "content": f"what is {i}+{i}? #### "}], "ground_truth": str(2 * i)}

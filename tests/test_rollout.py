@@ -100,6 +100,7 @@ def hf_logprobs(model, prompt, response, temperature):
 
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_engines_agree_greedy_on_the_saved_weights(tiny, engine):
     _, model, prompts = tiny
     ours = engine.generate(prompts, greedy())
@@ -110,6 +111,7 @@ def test_engines_agree_greedy_on_the_saved_weights(tiny, engine):
     assert [len(lp) for lp in ours.logprobs] == [len(r) for r in ours.responses]
 
 
+@pytest.mark.slow
 def test_load_weights_from_a_changed_model(tiny, engine, restore_weights):
     _, model, prompts = tiny
     before = engine.generate(prompts, greedy()).responses
@@ -120,6 +122,7 @@ def test_load_weights_from_a_changed_model(tiny, engine, restore_weights):
     assert after != before
 
 
+@pytest.mark.slow
 def test_load_weights_in_buckets_split_anywhere(tiny, engine, restore_weights):
     """Like a ZeRO-3 gather: a few tensors per call, a bucket boundary inside q/k/v (which vLLM
     loads as one layer), and the caller wiping each bucket's buffers once the call returns."""
@@ -138,6 +141,7 @@ def test_load_weights_in_buckets_split_anywhere(tiny, engine, restore_weights):
     assert after != before
 
 
+@pytest.mark.slow
 def test_generate_refuses_a_half_loaded_layer(tiny, engine, restore_weights):
     _, model, prompts = tiny
     params = dict(model.named_parameters())
@@ -151,6 +155,7 @@ def test_generate_refuses_a_half_loaded_layer(tiny, engine, restore_weights):
     assert engine.generate(prompts, greedy()).responses == hf_greedy(model, prompts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 def test_sampler_logprobs_equal_the_models(tiny, engine, temperature):
     """Also checks prompt-major order for n > 1: each response is scored against prompts[i // n]."""
@@ -165,6 +170,7 @@ def test_sampler_logprobs_equal_the_models(tiny, engine, temperature):
         assert len({tuple(r) for r in out.responses[:n]}) > 1
 
 
+@pytest.mark.slow
 def test_greedy_n_repeats_and_sampling_moves_on(tiny, engine):
     _, _, prompts = tiny
     one = engine.generate(prompts[:2], greedy()).responses
@@ -174,6 +180,7 @@ def test_greedy_n_repeats_and_sampling_moves_on(tiny, engine):
     assert engine.generate(prompts, sampled).responses != engine.generate(prompts, sampled).responses
 
 
+@pytest.mark.slow
 def test_ignore_eos_gives_exactly_max_tokens(tiny, engine):
     _, _, prompts = tiny
     stopped = engine.generate(prompts, greedy(max_tokens=12)).responses
@@ -185,6 +192,7 @@ def test_ignore_eos_gives_exactly_max_tokens(tiny, engine):
         assert long[:len(short)] == short
 
 
+@pytest.mark.slow
 def test_sleep_then_update_and_generate(tiny, engine, restore_weights):
     _, model, prompts = tiny
     engine.sleep()
@@ -202,6 +210,7 @@ def test_sleep_then_update_and_generate(tiny, engine, restore_weights):
     assert engine.generate(prompts, greedy()).responses == hf_greedy(changed, prompts)
 
 
+@pytest.mark.slow
 def test_engine_that_cannot_start_says_why_and_what_to_change(tiny, tmp_path):
     """In a child process: a failed engine's teardown also tears down vLLM's process-wide state,
     which would break the module's engine."""

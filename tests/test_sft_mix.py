@@ -46,6 +46,7 @@ def sft_data(tmp_path_factory):
     return tmp / "sft.parquet", prompts[64:], answers[64:]
 
 
+@pytest.mark.slow
 def test_sft_mix_keeps_the_policy_closer_to_its_supervised_data(tmp_path, sft_data):
     path, held_prompts, held_answers = sft_data
     steps = ["--total_training_steps=50", "--test_freq=-1", "--val_before_train=false", "--actor_lr=2e-4", *FAST]

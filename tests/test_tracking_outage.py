@@ -10,7 +10,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
+from mlflow_store import sqlite_uri
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow   # a real MLflow server per test
 ARGS = ["--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=16",
         "--total_training_steps=8", "--test_freq=-1"]
 
@@ -23,7 +28,7 @@ def free_port():
 
 def start_server(tmp, port):
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp}/server.db",
+                             "--workers", "1", "--backend-store-uri", sqlite_uri(tmp, "server.db"),
                              "--artifacts-destination", str(tmp / "artifacts")],
                             cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
