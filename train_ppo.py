@@ -153,9 +153,9 @@ class Config:
     rollout_on_drift: str = opt("stop", "the reaction to rollout_max_logprob_diff: stop (the run, naming the step) | "
                                         "regenerate (re-send the weights and sample that step again with the hf "
                                         "engine, on-policy)")
-    rollout_is: str = opt("off", "rollout correction, truncated importance sampling of the sampler (vLLM) against the "
-                                 "actor: off | token | sequence")
-    rollout_is_threshold: float = opt(2.0, "rollout_is: the weights' cap C in min(exp(old - sampler log-prob), C)")
+    rollout_is: str = opt("off", "rollout correction, truncated importance sampling of the sampler against the actor "
+                                 "(both under the top_p/top_k cut): off | token | sequence")
+    rollout_is_threshold: float = opt(2.0, "rollout_is: the weights' cap C in min(exp(actor - sampler log-prob), C)")
     temperature: float = opt(1.0, "sampling temperature for rollouts; log-probs use the same temperature")
     top_p: float = opt(1.0, "nucleus sampling for rollouts")
     top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")

@@ -55,16 +55,6 @@ def short_run(tmp_path_factory):
     return tmp, out, proc
 
 
-def test_rollout_correction_weights_are_one_when_the_actor_samples(short_run):
-    """rollout_is with the hf engine: the sampler is the actor, so every weight is exactly 1."""
-    tmp, out, proc = short_run
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for r in read_metrics(out)[1:]:
-        assert r["rollout_is/weight_mean"] == pytest.approx(1.0, abs=1e-6)
-        assert r["rollout_is/weight_max"] == pytest.approx(1.0, abs=1e-6)
-        assert r["rollout_is/clipped_frac"] == 0.0
-
-
 def test_short_run_writes_the_metrics_contract(short_run):
     tmp, out, proc = short_run
     assert proc.returncode == 0, proc.stderr[-3000:]
