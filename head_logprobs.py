@@ -15,6 +15,12 @@ Gradients flow from the log-prob and, when it is part of the loss, from the entr
   d logprob_i / d z_j = [j == token] - p_j
   d entropy   / d z_j = -p_j (log p_j + entropy)
 with z the temperature-scaled logits and p = softmax(z).
+
+    truncated = truncated_logprobs(hidden, weight, tokens, temperature, top_k, top_p)   # [N], no grad
+
+is each token's log-prob under the distribution a top_k / top_p sampler draws from (vLLM's cut,
+sampling_support, renormalised), in the same chunks: what the rollout engines report, to compare
+with them like for like.
 """
 import torch
 
