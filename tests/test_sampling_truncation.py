@@ -231,7 +231,7 @@ def test_zero3_two_processes_at_top_k_and_top_p_report_no_drift(tmp_path, engine
            "--top_p=0.6", "--actor_lr=1e-12", "--rollout_is=token", "--rollout_max_logprob_diff=0.01",
            "--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=8",
            "--ppo_epochs=1", "--total_training_steps=1", "--test_freq=-1", "--val_before_train=false",
-           "--max_response_length=8", "--mlflow_log_model=false"]
+           "--max_response_length=8", "--rollout_kv_cache_gb=0.25", "--mlflow_log_model=false"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     (r,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
