@@ -111,7 +111,8 @@ class Sampler(LogitsProcessor):
 
     def __call__(self, input_ids, scores):
         z = scores.float() / self.temperature                                       # [b, V]
-        z = z.masked_fill(~sampling_support(z, self.top_k, self.top_p), float("-inf"))
+        if self.top_p < 1.0 or 0 < self.top_k < z.shape[-1]:
+            z = z.masked_fill(~sampling_support(z, self.top_k, self.top_p), float("-inf"))
         probs = torch.softmax(z, dim=-1, dtype=torch.float64)                         # [b, V] kept, renormalised
         cdf = probs.cumsum(-1)                                                        # [b, V]
         u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
