@@ -15,6 +15,12 @@ Gradients flow from the log-prob and, when it is part of the loss, from the entr
   d logprob_i / d z_j = [j == token] - p_j
   d entropy   / d z_j = -p_j (log p_j + entropy)
 with z the temperature-scaled logits and p = softmax(z).
+
+    truncated = truncated_logprobs(hidden, weight, tokens, temperature, top_k, top_p)   # [N], no grad
+
+is each token's log-prob under the distribution a top_k / top_p sampler draws from (vLLM's cut,
+sampling_support, renormalised), in the same chunks: what the rollout engines report, to compare
+with them like for like.
 """
 import torch
 
@@ -92,3 +98,54 @@ def head_logprobs(hidden, weight, tokens, temperature: float = 1.0):
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     with torch.autocast(device_type, enabled=False):
         return _HeadLogprobs.apply(hidden, weight, tokens, float(temperature), dtype)
+
+
+def sampling_support(z, top_k: int = -1, top_p: float = 1.0):
+    """z [r, V] temperature-scaled fp32 logits -> keep [r, V] bool: the tokens a sampler with
+    top_k / top_p may draw, by vLLM's rules (v1 sampler, apply_top_k_top_p): top-k first, keeping
+    every token whose logit ties the k-th largest; then top-p over the distribution renormalised to
+    what top-k kept, dropping a token when it and all less likely ones hold at most 1 - top_p of
+    the mass, so the token that crosses top_p stays, and the most likely always does. The sums run
+    from the least likely up in fp32, as vLLM's do, so rounding at the boundary falls the same way."""
+    V = z.shape[-1]
+    top_k = top_k if 0 < top_k < V else 0
+    if top_p >= 1.0:
+        if not top_k:
+            return torch.ones_like(z, dtype=torch.bool)                                  # [r, V]
+        return z >= torch.topk(z, top_k, dim=-1).values[:, -1:]                          # [r, V]
+    # the order of tied logits is the sort's: the same ops on the same values as vLLM
+    ascending, order = z.sort(dim=-1)                                                    # [r, V]
+    if top_k:
+        ascending = ascending.masked_fill(ascending < ascending[:, V - top_k:V - top_k + 1], float("-inf"))
+    mass_to_here = ascending.softmax(dim=-1).cumsum_(dim=-1)                             # [r, V]
+    drop = mass_to_here <= 1 - torch.tensor(top_p, dtype=torch.float32)                  # fp32, as vLLM's
+    drop[:, -1] = False
+    return ~torch.zeros_like(drop).scatter_(-1, order, drop)                             # [r, V]
+
+
+def support_logprobs(z, tokens, top_k: int = -1, top_p: float = 1.0):
+    """z [r, V] temperature-scaled logits, tokens [r] -> [r]: log-prob of each token under softmax(z)
+    cut to sampling_support and renormalised over what stays. A sampled token was kept by its
+    sampler, so it stays here too: where the recomputed logits round across the boundary, its
+    log-prob moves a little instead of becoming -inf."""
+    keep = sampling_support(z, top_k, top_p).scatter_(1, tokens[:, None], True)        # [r, V]
+    z = z.masked_fill(~keep, float("-inf"))                                              # [r, V]
+    return z.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)          # [r]
+
+
+@torch.no_grad()
+def truncated_logprobs(hidden, weight, tokens, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0):
+    """hidden [N, H], weight [V, H], tokens [N] -> [N] fp32: support_logprobs through the LM head,
+    i.e. each token's log-prob under the distribution a top_k / top_p sampler draws from. No
+    gradient (it checks the sampler, PPO's ratio uses the full distribution); chunked like
+    head_logprobs, so the [N, V] logits never exist at once."""
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    out = hidden.new_empty(hidden.shape[0], dtype=torch.float32)                         # [N]
+    with torch.autocast(device_type, enabled=False):
+        w = weight.to(dtype)
+        for s in range(0, hidden.shape[0], rows):
+            z = _logits(hidden[s:s + rows], w, float(temperature), dtype)                # [r, V]
+            out[s:s + rows] = support_logprobs(z, tokens[s:s + rows], top_k, top_p)
+    return out

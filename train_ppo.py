@@ -44,7 +44,7 @@ from checkpoints import StopSignal, check_resumable, find_checkpoint, load_check
 from distributed import Role, gathered_params, param_share
 from errors import UserError, first_line
 from guards import Guards
-from head_logprobs import head_logprobs
+from head_logprobs import head_logprobs, support_logprobs, truncated_logprobs
 from rollout import SamplingParams
 from tracking import Tracker, run_tags
 
@@ -153,9 +153,9 @@ class Config:
     rollout_on_drift: str = opt("stop", "the reaction to rollout_max_logprob_diff: stop (the run, naming the step) | "
                                         "regenerate (re-send the weights and sample that step again with the hf "
                                         "engine, on-policy)")
-    rollout_is: str = opt("off", "rollout correction, truncated importance sampling of the sampler (vLLM) against the "
-                                 "actor: off | token | sequence")
-    rollout_is_threshold: float = opt(2.0, "rollout_is: the weights' cap C in min(exp(old - sampler log-prob), C)")
+    rollout_is: str = opt("off", "rollout correction, truncated importance sampling of the sampler against the actor "
+                                 "(both under the top_p/top_k cut): off | token | sequence")
+    rollout_is_threshold: float = opt(2.0, "rollout_is: the weights' cap C in min(exp(actor - sampler log-prob), C)")
     temperature: float = opt(1.0, "sampling temperature for rollouts; log-probs use the same temperature")
     top_p: float = opt(1.0, "nucleus sampling for rollouts")
     top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")
@@ -915,8 +915,10 @@ def to_device(batch: dict, device) -> dict:
 
 
 def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool = False,
-                      entropy_grad: bool = False):
-    """Log-prob (and entropy) of each response token under `model` -> [B, R] each.
+                      entropy_grad: bool = False, truncation: tuple[int, float] | None = None):
+    """Log-prob (and entropy) of each response token under `model` -> [B, R] each; with
+    truncation=(top_k, top_p) also, third, the log-prob under the distribution a sampler with those
+    settings draws from (cut and renormalised, no grad), from the same forward pass.
     Only the B x R positions that predict response tokens reach the LM head. There the chunked
     head_logprobs takes the head's input and computes both without ever holding the [B, R, V]
     logits; the head itself is handed an empty input. Where that cannot be done (a head with a
@@ -943,7 +945,12 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
         logprob, entropy = head_logprobs(hidden.reshape(B * R, -1), head.weight, batch["responses"].reshape(-1),
                                          temperature)
         logprob, entropy = logprob.view(B, R), entropy.view(B, R)
-        return logprob, (entropy if entropy_grad else entropy.detach()) if with_entropy else None
+        entropy = (entropy if entropy_grad else entropy.detach()) if with_entropy else None
+        if truncation is None:
+            return logprob, entropy
+        truncated = truncated_logprobs(hidden.reshape(B * R, -1), head.weight, batch["responses"].reshape(-1),
+                                       temperature, *truncation)
+        return logprob, entropy, truncated.view(B, R)
     logits = out.logits.view(B, R, -1)                                            # [B, R, V]
     logprob = torch.stack([_token_logprobs(_scaled(row, temperature), tokens)
                            for row, tokens in zip(logits, batch["responses"])])  # [B, R]
@@ -951,7 +958,12 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     if with_entropy:
         with nullcontext() if entropy_grad else torch.no_grad():
             entropy = torch.stack([entropy_from_logits(_scaled(row, temperature)) for row in logits])  # [B, R]
-    return logprob, entropy
+    if truncation is None:
+        return logprob, entropy
+    with torch.no_grad():
+        truncated = torch.stack([support_logprobs(_scaled(row, temperature), tokens, *truncation)
+                                 for row, tokens in zip(logits, batch["responses"])])  # [B, R]
+    return logprob, entropy, truncated
 
 
 def _packed(model, batch: dict):
@@ -1063,13 +1075,14 @@ def micro_batches(batch: dict, size: int, max_tokens: int = 0, agree=None) -> li
 
 @torch.no_grad()
 def forward_in_micro_batches(fn, batch: dict, size: int, max_tokens: int = 0, agree=None) -> torch.Tensor:
-    """fn on each micro-batch, the rows put back in batch order -> [B] or [B, R] (zeros where a
+    """fn on each micro-batch, the rows put back in batch order -> [B] or [B, R, ...] (zeros where a
     trimmed micro-batch had no column)."""
     out = None
     for idx, mb in micro_batches(batch, size, max_tokens, agree):
-        part = fn(mb)                                                             # [b] or [b, r]
+        part = fn(mb)                                                             # [b] or [b, r, ...]
         if out is None:
-            shape = (batch["input_ids"].shape[0],) + ((batch["responses"].shape[1],) if part.dim() > 1 else ())
+            shape = (batch["input_ids"].shape[0],) + ((batch["responses"].shape[1], *part.shape[2:])
+                                                      if part.dim() > 1 else ())
             out = torch.zeros(shape, dtype=part.dtype, device=part.device)
         if part.dim() > 1:
             out[idx.to(part.device), :part.shape[1]] = part
@@ -1818,7 +1831,8 @@ class Rollouts:
     nonfinite: torch.Tensor         # [b] bool: dropped from the update (skip_nonfinite_rewards)
     truncated: torch.Tensor         # [b] bool: cut at max_response_length without EOS
     token_scores: torch.Tensor      # [b, R] the shaped score on each sequence's last token
-    sampler: torch.Tensor           # [b, R] the sampler's log-probs (the actor's own with the hf engine)
+    sampler: torch.Tensor           # [b, R] the sampler's log-probs, of the distribution it drew from
+    actor_sampling: torch.Tensor    # [b, R] the actor's under that distribution (old_logprob unless top_k/top_p cut)
     is_stats: dict
 
 
@@ -1851,7 +1865,16 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict) -
         logprobs_of = lambda model: lambda mb: response_logprobs(model, mb, temperature)[0]   # noqa: E731
         actor_sched, critic_sched = schedule(cfg, "actor"), schedule(cfg, "critic")
         passes = dict(size=micro, max_tokens=actor_sched.max_tokens, agree=max_over_ranks(accelerator))
-        batch["old_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, **passes)      # [b, R]
+        truncation = (cfg.top_k, cfg.top_p) if cfg.top_k > 0 or cfg.top_p < 1 else None
+        if truncation is None:
+            batch["old_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, **passes)  # [b, R]
+            actor_sampling = batch["old_logprob"]
+        else:   # the samplers report log-probs of the cut distribution: the actor's too, from the same pass
+            def full_and_cut(mb):
+                logprob, _, cut = response_logprobs(run.actor, mb, temperature, truncation=truncation)
+                return torch.stack([logprob, cut], dim=-1)                                    # [b, r, 2]
+            both = forward_in_micro_batches(full_and_cut, batch, **passes)                    # [b, R, 2]
+            batch["old_logprob"], actor_sampling = both[..., 0].contiguous(), both[..., 1].contiguous()
         if run.ref is not None:
             batch["ref_logprob"] = forward_in_micro_batches(logprobs_of(run.ref), batch, **passes)
         elif cfg.lora_rank and (cfg.use_kl_in_reward or cfg.use_kl_loss):
@@ -1861,19 +1884,22 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict) -
             batch["values"] = forward_in_micro_batches(lambda mb: critic_values(run.critic, mb), batch,
                                                        size=critic_sched.micro_batch, max_tokens=critic_sched.max_tokens,
                                                        agree=passes["agree"])
-        # the hf engine samples with the actor itself: its log-probs are the old ones (weights 1)
-        sampler = batch["old_logprob"] if rollout.logprobs is None else sampler_logprobs(rollout.logprobs, mask)
+        # both engines report them (an engine that did not would count as the actor itself)
+        sampler = actor_sampling if rollout.logprobs is None else sampler_logprobs(rollout.logprobs, mask)
         is_stats = {}
-        if cfg.rollout_is != "off":
-            batch["is_weights"], is_stats = rollout_is_weights(batch["old_logprob"], sampler, mask, cfg.rollout_is,
+        if cfg.rollout_is != "off":   # sampler against actor under one distribution: see the README on top_p/top_k
+            batch["is_weights"], is_stats = rollout_is_weights(actor_sampling, sampler, mask, cfg.rollout_is,
                                                                cfg.rollout_is_threshold)
-    return Rollouts(batch, rollout.responses, scores, nonfinite, truncated, token_scores, sampler, is_stats)
+    return Rollouts(batch, rollout.responses, scores, nonfinite, truncated, token_scores, sampler, actor_sampling,
+                    is_stats)
 
 
 def sampler_drift(accelerator, data: Rollouts) -> float:
-    """rollout/logprob_diff: the mean |sampler - actor| log-prob over every rank's response tokens."""
+    """rollout/logprob_diff: the mean |sampler - actor| log-prob over every rank's response tokens,
+    both under the distribution the sampler drew from (with top_k/top_p: cut and renormalised), so
+    it measures the weights and kernels, not the truncation."""
     mask = data.batch["response_mask"]
-    sums = torch.stack([((data.sampler - data.batch["old_logprob"]).abs() * mask).sum(), mask.sum()]).double()
+    sums = torch.stack([((data.sampler - data.actor_sampling).abs() * mask).sum(), mask.sum()]).double()
     total, count = accelerator.reduce(sums, reduction="sum").tolist()
     return total / max(count, 1.0)
 
@@ -1892,11 +1918,10 @@ def train_step(run: Run, step: int) -> dict:
 
     # 1-3 generate, score, forward passes
     data = collect(run, idx, engine, temperature, times)
-    # decided by the config, not by the engine this rank got (rollout_fallback_hf may differ per
-    # rank): the reduction is a collective, so every rank runs it or none does
-    drift = sampler_drift(accelerator, data) if cfg.rollout_engine == "vllm" else None
+    # every engine reports its log-probs, so every rank runs this collective whatever engine it got
+    drift = sampler_drift(accelerator, data)
     regenerated = False
-    if drift is not None and cfg.rollout_max_logprob_diff > 0 and drift > cfg.rollout_max_logprob_diff:
+    if cfg.rollout_max_logprob_diff > 0 and drift > cfg.rollout_max_logprob_diff:
         if cfg.rollout_on_drift == "stop":
             raise UserError(f"step {step}: rollout/logprob_diff={drift:.4g} > rollout_max_logprob_diff="
                             f"{cfg.rollout_max_logprob_diff}: the sampler's weights no longer match the actor's")
@@ -1955,8 +1980,7 @@ def train_step(run: Run, step: int) -> dict:
                             "guard/temperature": temperature, "guard/entropy_coeff": run.guards.entropy_coeff})
         if cfg.skip_nonfinite_rewards:
             metrics["reward/nonfinite_frac"] = nonfinite.float().mean().item()
-        if drift is not None:
-            metrics["rollout/logprob_diff"] = drift
+        metrics["rollout/logprob_diff"] = drift
         if cfg.rollout_on_drift == "regenerate":
             metrics["rollout/regenerated"] = float(regenerated)
         metrics.update({f"rollout_is/{k}": v.item() for k, v in is_stats.items()})

@@ -25,7 +25,8 @@ class SamplingParams:
 @dataclass
 class RolloutOutput:
     responses: list[list[int]]             # [B * n] token ids, cut after the first EOS (kept)
-    logprobs: list[list[float]] | None     # the sampler's log-prob of each response token, if known
+    logprobs: list[list[float]] | None     # each response token's log-prob under the distribution it was drawn
+                                           # from (top_k/top_p cut, renormalised); None for greedy (hf)
 
 
 class RolloutEngine(Protocol):

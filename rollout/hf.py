@@ -10,6 +10,7 @@ from typing import Iterable
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from head_logprobs import sampling_support
 from rollout import RolloutOutput, SamplingParams, cut_at_eos
 
 
@@ -33,9 +34,8 @@ class HFEngine:
             eos_token_id=None if params.ignore_eos else sorted(self.eos_ids),
             pad_token_id=self.pad_id,
         )
-        processors = LogitsProcessorList([] if params.temperature == 0 else [Sampler(params)])
         expanded = [p for p in prompts for _ in range(params.n)]
-        responses = []
+        responses, logprobs = [], []
         # generate() fills unset values from model.generation_config, which would bring the
         # model's EOS back even with ignore_eos: swap it out for the duration of the call.
         saved_cfg, was_training = self.model.generation_config, self.model.training
@@ -46,11 +46,18 @@ class HFEngine:
                 for make_context in self.contexts:
                     stack.enter_context(make_context())
                 for i in range(0, len(expanded), self.micro_batch_size):
-                    responses += self._generate_chunk(expanded[i:i + self.micro_batch_size], gen_cfg, processors)
+                    sampler = None if params.temperature == 0 else Sampler(params)
+                    chunk = self._generate_chunk(expanded[i:i + self.micro_batch_size], gen_cfg,
+                                                 LogitsProcessorList([sampler] if sampler else []))
+                    responses += chunk
+                    if sampler is not None:
+                        drawn = sampler.logprobs().tolist()                                   # [b, steps]
+                        logprobs += [row[:len(tokens)] for row, tokens in zip(drawn, chunk)]
         finally:
             self.model.generation_config = saved_cfg
             self.model.train(was_training)
-        return RolloutOutput(responses=responses, logprobs=None)
+        # greedy has no sampling distribution to report (validation only)
+        return RolloutOutput(responses=responses, logprobs=logprobs if params.temperature != 0 else None)
 
     def _generate_chunk(self, prompts: list[list[int]], gen_cfg: GenerationConfig, processors) -> list[list[int]]:
         device = next(self.model.parameters()).device
@@ -87,31 +94,33 @@ class HFEngine:
 
 
 class Sampler(LogitsProcessor):
-    """Draws the next token from softmax(logits / temperature), cut to top_k and top_p when set,
+    """Draws the next token from softmax(logits / temperature), cut to top_k and top_p when set
+    (head_logprobs.sampling_support: vLLM's rules, so both engines sample the same distribution),
     and leaves only it: generate()'s argmax then picks it. One uniform number per row through
     the inverse CDF (in float64), where torch.multinomial, which generate() samples with, draws an
     exponential number for every vocabulary entry: with a 32k vocabulary that was 40% of the
     generation time on a CPU. The same distribution either way; the RNG is torch's, so a
     checkpoint's saved RNG state replays it. (Transformers' own sampling also adds a top_k of 50
-    when top_k is unset; here unset means the whole vocabulary, as in vLLM.)"""
+    when top_k is unset; here unset means the whole vocabulary, as in vLLM.)
+    It keeps the log-prob of each drawn token under the distribution it was drawn from
+    (renormalised over the kept tokens, as vLLM's processed_logprobs): logprobs() -> [b, steps]."""
 
     def __init__(self, params: SamplingParams):
         self.temperature, self.top_p, self.top_k = params.temperature, params.top_p, params.top_k
+        self._drawn: list[torch.Tensor] = []                                       # [b] per step
 
     def __call__(self, input_ids, scores):
         z = scores.float() / self.temperature                                       # [b, V]
-        if 0 < self.top_k < z.shape[-1]:
-            kth = torch.topk(z, self.top_k, dim=-1).values[:, -1:]                  # [b, 1]
-            z = z.masked_fill(z < kth, float("-inf"))
-        probs = torch.softmax(z, dim=-1, dtype=torch.float64)                         # [b, V]
-        if self.top_p < 1.0:   # the smallest set of most likely tokens whose mass reaches top_p
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            before = sorted_probs.cumsum(-1) - sorted_probs                          # mass of the more likely ones
-            sorted_probs = sorted_probs.masked_fill(before >= self.top_p, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        if self.top_p < 1.0 or 0 < self.top_k < z.shape[-1]:
+            z = z.masked_fill(~sampling_support(z, self.top_k, self.top_p), float("-inf"))
+        probs = torch.softmax(z, dim=-1, dtype=torch.float64)                         # [b, V] kept, renormalised
         cdf = probs.cumsum(-1)                                                        # [b, V]
         u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
         token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)   # [b, 1]
         # a token of zero probability is never picked: searchsorted(right=True) skips flat steps
+        self._drawn.append(probs.gather(-1, token).log().squeeze(-1).float())        # [b]
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(-1, token, 0.0)
+
+    def logprobs(self) -> torch.Tensor:
+        return torch.stack(self._drawn, dim=-1)                                      # [b, steps]

@@ -104,7 +104,8 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         """logprobs: of each sampled token under the distribution it was drawn from, i.e.
         log softmax(logits / T), renormalised over the kept tokens when top_k/top_p cut some
-        (greedy: T = 1). With top_k/top_p off this is exactly what the actor recomputes."""
+        (greedy: T = 1). The actor recomputes the same: with top_k/top_p by replaying the cut
+        (head_logprobs.sampling_support follows vLLM's rules)."""
         self._check_ready("generate", self._sleeping)
         expanded = [p for p in prompts for _ in range(params.n)]   # prompt-major, one request each
         greedy = params.temperature == 0
