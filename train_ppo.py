@@ -63,9 +63,11 @@ def opt(default, help: str):
 class Config:
     # models
     model_path: str = opt(str(HERE / "examples/demo_model"), "actor (policy) model directory, Hugging Face format")
-    critic_model_path: str = opt("", "critic backbone; a value head is added. '' = the actor's initial weights")
+    critic_model_path: str = opt("", "critic: a causal LM (a value head is added), a token classifier or a reward "
+                                     "model (its head is kept). '' = the actor's initial weights")
     ref_model_path: str = opt("", "frozen reference model for KL. '' = the actor's initial weights")
-    reward_model_path: str = opt("", "reward model (sequence classifier, 1 label); when set, replaces reward_fn")
+    reward_model_path: str = opt("", "reward model (sequence classifier with 1 label, or a base model saved with "
+                                     "its score head); when set, replaces reward_fn")
     reward_fn: str = opt("rewards.arithmetic:compute_score", "'module:function' called as fn(prompts, responses) -> list of floats")
     # reward shaping
     reward_clip: float = opt(0.0, "clip each sequence score to [-reward_clip, reward_clip] (after shaping); 0 = off")
