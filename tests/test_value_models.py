@@ -328,6 +328,7 @@ def test_a_short_run_trains_a_cohere_critic(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if row["step"] > 0]   # step 0: validation before training
     assert len(rows) == 2
     for row in rows:
         for key in ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean", "critic/explained_var"):
@@ -339,3 +340,32 @@ def test_a_short_run_trains_a_cohere_critic(tmp_path):
     moved = [k for k, v in saved.items() if k in start and not torch.equal(v, start[k])]
     assert len(moved) > len(start) // 2, moved   # the backbone trained (the head is new anyway)
     assert saved["score.bias"].abs().item() > 0   # the head trained: it starts at zero
+
+
+@pytest.mark.slow
+def test_zero3_two_processes_train_a_cohere_critic_against_a_cohere_reward_model(tmp_path):
+    """Under ZeRO-3 each rank holds a shard of every weight, the head's too, which exists whole only
+    inside its forward: critic and reward model of a family without ...ForTokenClassification, on
+    2 processes."""
+    import math
+    lm = tiny_lm("cohere", tmp_path / "lm")
+    rm, _ = backbone_and_head_checkpoint(lm, tmp_path / "rm")
+    out = tmp_path / "out"
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "2",
+           "--main_process_port", str(29500 + os.getpid() % 1000), str(ROOT / "train_ppo.py"),
+           f"--model_path={lm}", f"--reward_model_path={rm}", "--adv_estimator=gae", f"--output_dir={out}",
+           "--total_training_steps=2", "--test_freq=-1", "--train_batch_size=8", "--rollout_n=2",
+           "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=4", "--rollout_ignore_eos=true",
+           "--max_response_length=4", "--critic_lr=1e-3", "--mlflow_log_model=false"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if row["step"] > 0]
+    assert len(rows) == 2
+    for row in rows:
+        for key in ("reward/score_mean", "reward/score_std", "critic/vf_loss", "critic/grad_norm",
+                    "critic/explained_var"):
+            assert math.isfinite(row[key]), (key, row)
+        assert row["critic/grad_norm"] > 0 and row["reward/score_std"] > 0
