@@ -264,6 +264,7 @@ def test_gradient_checkpointing_recomputes_the_critics_layers_with_the_same_grad
         torch.testing.assert_close(grads[True][name], grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow   # about 1 s per family; the walk itself builds every family once
 def test_registry_wide_critic_values_and_reward_scores(tmp_path):
     """Every decoder family of the pinned transformers (tests/model_registry.py): the critic on the
     causal LM's backbone and the reward model saved as backbone + head, both read packed and padded,
@@ -300,8 +301,8 @@ def _check_family(model_registry, model_type: str, directory: Path) -> None:
         backbone = getattr(model, model.base_model_prefix)
     want_v = [(alone(backbone, p + r) @ critic.score.weight.T + 0.25)[:, 0] for p, r in zip(prompts, responses)]
     for packed in (True, False):
-        cfg = Config(model_path=str(lm), reward_model_path=str(directory / "rm"), remove_padding=packed,
-                     use_kl_in_reward=False)
+        cfg = Config(model_path=str(lm), critic_model_path=str(directory / "rm"), reward_model_path=str(directory / "rm"),
+                     remove_padding=packed, use_kl_in_reward=False)
         _, _, critic, _, reward_model = load_models(cfg)
         with torch.no_grad():
             values, scores = critic_values(critic, batch), reward_model_scores(reward_model, batch)
