@@ -76,15 +76,14 @@ def model_shape(path: str, kind: str, lora_rank: int = 0, lora_targets: str = "a
     """A model's sizes from its config.json alone: the model is built on the meta device."""
     import torch
     from accelerate import init_empty_weights
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
-                              AutoModelForTokenClassification)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import value_models
     config = AutoConfig.from_pretrained(path)
-    loader = {"causal": AutoModelForCausalLM, "value": AutoModelForTokenClassification,
-              "reward": AutoModelForSequenceClassification}[kind]
-    if kind != "causal":
+    if kind != "causal":   # critic and reward model: the backbone and a one-output head
         config.num_labels = 1
     with init_empty_weights():
-        model = loader.from_config(config)
+        model = AutoModelForCausalLM.from_config(config) if kind == "causal" else value_models.from_config(config)
     model.tie_weights()   # tied embeddings are one tensor, as after from_pretrained
     params = {id(p): p for p in model.parameters()}
     total = sum(p.numel() for p in params.values())

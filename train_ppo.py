@@ -40,6 +40,7 @@ import kl
 import lean_imports
 import packing
 import preflight
+import value_models
 from checkpoints import StopSignal, check_resumable, find_checkpoint, load_checkpoint, read_state, save_checkpoint
 from distributed import Role, gathered_params, param_share
 from errors import UserError, first_line
@@ -62,9 +63,11 @@ def opt(default, help: str):
 class Config:
     # models
     model_path: str = opt(str(HERE / "examples/demo_model"), "actor (policy) model directory, Hugging Face format")
-    critic_model_path: str = opt("", "critic backbone; a value head is added. '' = the actor's initial weights")
+    critic_model_path: str = opt("", "critic: a causal LM (a value head is added), a token classifier or a reward "
+                                     "model (its head is kept). '' = the actor's initial weights")
     ref_model_path: str = opt("", "frozen reference model for KL. '' = the actor's initial weights")
-    reward_model_path: str = opt("", "reward model (sequence classifier, 1 label); when set, replaces reward_fn")
+    reward_model_path: str = opt("", "reward model (sequence classifier with 1 label, or a base model saved with "
+                                     "its score head); when set, replaces reward_fn")
     reward_fn: str = opt("rewards.arithmetic:compute_score", "'module:function' called as fn(prompts, responses) -> list of floats")
     # reward shaping
     reward_clip: float = opt(0.0, "clip each sequence score to [-reward_clip, reward_clip] (after shaping); 0 = off")
@@ -1093,8 +1096,7 @@ def forward_in_micro_batches(fn, batch: dict, size: int, max_tokens: int = 0, ag
 
 def load_models(cfg: Config):
     lean_imports.skip_unused()
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
-                              AutoModelForTokenClassification, AutoTokenizer)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = load_tokenizer(cfg.model_path, AutoTokenizer)
     # weights stay fp32 for the trained models (bf16 runs under autocast); frozen ones may be bf16
     frozen_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
@@ -1117,21 +1119,20 @@ def load_models(cfg: Config):
     if cfg.adv_estimator == "gae":
         key = "critic_model_path" if cfg.critic_model_path else "model_path"
         with console.expected_missing_weights():   # the value head is new: its absence is no news
-            critic, info = _load(key, cfg.critic_model_path or cfg.model_path,
-                                 AutoModelForTokenClassification.from_pretrained, num_labels=1, dtype=torch.float32,
-                                 output_loading_info=True)
-        missing = [k for k in info["missing_keys"] if not k.startswith("score.")]
+            critic, missing = _load(key, cfg.critic_model_path or cfg.model_path, value_models.load_value_model,
+                                    dtype=torch.float32, config_key=key)
         if missing:
             print(f"warning: {key}: the critic's backbone lacks {len(missing)} weights, initialised at random: "
                   f"{missing[:5]}", file=sys.stderr, flush=True)
         critic.config.pad_token_id = tokenizer.pad_token_id
     reward_model = None
     if cfg.reward_model_path:
-        reward_model = _load("reward_model_path", cfg.reward_model_path,
-                             AutoModelForSequenceClassification.from_pretrained, num_labels=1, dtype=frozen_dtype)
-        if not isinstance(getattr(reward_model, "score", None), torch.nn.Module):
-            raise UserError(f"reward_model_path: {type(reward_model).__name__} has no `score` head to read per-token "
-                            f"scores from; use a decoder model's ForSequenceClassification class")
+        with console.expected_missing_weights():   # a sequence classifier's head has no bias: zero, as it scored
+            reward_model, missing = _load("reward_model_path", cfg.reward_model_path, value_models.load_value_model,
+                                          dtype=frozen_dtype, config_key="reward_model_path", head_required=True)
+        if missing:
+            raise UserError(f"reward_model_path: {cfg.reward_model_path} lacks {len(missing)} of the reward model's "
+                            f"weights ({missing[:3]}); they would be random")
         reward_model.config.pad_token_id = tokenizer.pad_token_id
         reward_model.requires_grad_(False)
     for key, model in (("model_path", actor), ("critic_model_path", critic), ("ref_model_path", ref),
@@ -1235,6 +1236,8 @@ def _load(key: str, path: str, loader, what: str = "model", **kwargs):
     """A from_pretrained call whose failure names the key and the directory, in one line."""
     try:
         return loader(path, **kwargs)
+    except UserError:   # already names the key and the directory
+        raise
     except Exception as e:   # transformers raises OSError, ValueError, KeyError, ... for a bad directory
         raise UserError(f"{key}: cannot load a {what} from {path}: {first_line(e)}") from None
 
