@@ -885,7 +885,8 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     only when it is part of the loss (entropy_grad)."""
     B, R = batch["responses"].shape
     head = _unwrap(model).get_output_embeddings()
-    fused = type(head) is torch.nn.Linear and head.bias is None and not hasattr(head.weight, "ds_id")
+    fused = (getattr(_unwrap(model), "fused_head_ok", True) and type(head) is torch.nn.Linear and head.bias is None
+             and not hasattr(head.weight, "ds_id"))
     captured = []
     hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]) or (args[0][:, :0],)) \
         if fused else None
@@ -912,6 +913,34 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
         with nullcontext() if entropy_grad else torch.no_grad():
             entropy = torch.stack([entropy_from_logits(_scaled(row, temperature)) for row in logits])  # [B, R]
     return logprob, entropy
+
+
+def _note(line: str) -> None:
+    """One line on stderr, from the main process only (every rank decides the same)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {line}", file=sys.stderr, flush=True)
+
+
+@torch.no_grad()
+def _head_differs(model):
+    """Why head_logprobs, fed the LM head's input, would not give `model`'s own logits (its forward
+    scales, soft-caps or otherwise post-processes them), or None when it does. Decided once at
+    load on a short sequence: the plain path, which reads the model's own logits, serves the rest."""
+    model = _unwrap(model)
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return "its LM head is not a bias-free linear layer"
+    captured = []
+    hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    try:
+        ids = torch.arange(3, 11, device=head.weight.device)[None] % head.weight.shape[0]   # [1, 8]
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()                     # [8, V]
+    finally:
+        hook.remove()
+    mine = (captured[-1][0].float() @ head.weight.float().t())                             # [8, V]
+    error = float((mine - logits).abs().max()) / max(1.0, float(logits.abs().max()))
+    tolerance = 1e-4 if head.weight.dtype == torch.float32 else 2e-2
+    return None if error <= tolerance else f"its forward post-processes the logits (relative difference {error:.2g})"
 
 
 def _packed(model, batch: dict):
@@ -1038,6 +1067,10 @@ def forward_in_micro_batches(fn, batch: dict, size: int, max_tokens: int = 0, ag
     return out
 
 
+# model type -> why no path here computes its log-probs right yet; load_models refuses these by name
+REFUSED: dict[str, str] = {}
+
+
 def load_models(cfg: Config):
     lean_imports.skip_unused()
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
@@ -1087,9 +1120,23 @@ def load_models(cfg: Config):
         if model is not None:
             model.eval()
     if cfg.remove_padding:   # packed micro-batches: SDPA once per sequence (flash-attention packs by itself)
+        verdicts = {}   # one probe per architecture: actor and ref share theirs
         for model in (actor, critic, ref, reward_model):
             if model is not None and model.config._attn_implementation == "sdpa":
                 model.set_attn_implementation(packing.register())
+                kind = (type(model), model.config.model_type)
+                if kind not in verdicts:
+                    verdicts[kind] = packing.unpackable(model, atol=1e-3 if model.dtype == torch.float32 else 3e-2)
+                    if verdicts[kind]:
+                        _note(f"remove_padding: {type(model).__name__} runs padded micro-batches: {verdicts[kind]}")
+                if verdicts[kind]:
+                    model.set_attn_implementation("sdpa")
+    for model in (actor, ref):
+        if model is not None:
+            why = _head_differs(model)
+            _unwrap(model).fused_head_ok = why is None
+            if why and model is actor:
+                _note(f"the chunked LM head is off for {type(_unwrap(model)).__name__}: {why}")
     for model, on in ((actor, cfg.gradient_checkpointing), (critic, critic_checkpointing(cfg))):
         if model is not None and on:   # armed here, active only inside recompute_activations()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
