@@ -885,7 +885,8 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     only when it is part of the loss (entropy_grad)."""
     B, R = batch["responses"].shape
     head = _unwrap(model).get_output_embeddings()
-    fused = (getattr(_unwrap(model), "fused_head_ok", True) and type(head) is torch.nn.Linear and head.bias is None
+    transform = getattr(_unwrap(model), "head_transform", (1.0, None))    # set by load_models
+    fused = (transform is not None and type(head) is torch.nn.Linear and head.bias is None
              and not hasattr(head.weight, "ds_id"))
     captured = []
     hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]) or (args[0][:, :0],)) \
@@ -902,7 +903,7 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     if fused:
         hidden = captured[0]                                                      # [B, R, H] or [1, B * R, H]
         logprob, entropy = head_logprobs(hidden.reshape(B * R, -1), head.weight, batch["responses"].reshape(-1),
-                                         temperature)
+                                         temperature, *transform)
         logprob, entropy = logprob.view(B, R), entropy.view(B, R)
         return logprob, (entropy if entropy_grad else entropy.detach()) if with_entropy else None
     logits = out.logits.view(B, R, -1)                                            # [B, R, V]
@@ -922,14 +923,19 @@ def _note(line: str) -> None:
 
 
 @torch.no_grad()
-def _head_differs(model):
-    """Why head_logprobs, fed the LM head's input, would not give `model`'s own logits (its forward
-    scales, soft-caps or otherwise post-processes them), or None when it does. Decided once at
-    load on a short sequence: the plain path, which reads the model's own logits, serves the rest."""
+def head_transform(model):
+    """-> ((scale, softcap), None) when head_logprobs, fed the LM head's input with that scale and
+    soft-cap, gives `model`'s own logits; (None, why) when it cannot (another post-processing, a
+    head that is not a bias-free linear layer). Decided once at load on a short sequence; the
+    plain path, which reads the model's own logits, serves the rest."""
     model = _unwrap(model)
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.bias is not None:
-        return "its LM head is not a bias-free linear layer"
+        return None, "its LM head is not a bias-free linear layer"
+    config = model.config.get_text_config()
+    scale = float(getattr(config, "logit_scale", None) or 1.0)                      # Cohere: multiplies
+    scale /= float(getattr(config, "logits_scaling", None) or 1.0)                  # Granite: divides
+    softcap = getattr(config, "final_logit_softcapping", None)                      # Gemma 2/3
     captured = []
     hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     try:
@@ -937,10 +943,13 @@ def _head_differs(model):
         logits = model(input_ids=ids, use_cache=False).logits[0].float()                     # [8, V]
     finally:
         hook.remove()
-    mine = (captured[-1][0].float() @ head.weight.float().t())                             # [8, V]
+    mine = captured[-1][0].float() @ head.weight.float().t() * scale                       # [8, V]
+    if softcap is not None:
+        mine = torch.tanh(mine / softcap) * softcap
     error = float((mine - logits).abs().max()) / max(1.0, float(logits.abs().max()))
-    tolerance = 1e-4 if head.weight.dtype == torch.float32 else 2e-2
-    return None if error <= tolerance else f"its forward post-processes the logits (relative difference {error:.2g})"
+    if error <= (1e-4 if head.weight.dtype == torch.float32 else 2e-2):
+        return (scale, softcap), None
+    return None, f"its forward post-processes the logits in a way the chunked head does not (difference {error:.2g})"
 
 
 def _packed(model, batch: dict):
@@ -1133,8 +1142,8 @@ def load_models(cfg: Config):
                     model.set_attn_implementation("sdpa")
     for model in (actor, ref):
         if model is not None:
-            why = _head_differs(model)
-            _unwrap(model).fused_head_ok = why is None
+            transform, why = head_transform(model)
+            _unwrap(model).head_transform = transform
             if why and model is actor:
                 _note(f"the chunked LM head is off for {type(_unwrap(model)).__name__}: {why}")
     for model, on in ((actor, cfg.gradient_checkpointing), (critic, critic_checkpointing(cfg))):
