@@ -1077,6 +1077,7 @@ def forward_in_micro_batches(fn, batch: dict, size: int, max_tokens: int = 0, ag
 
 
 # model type -> why no path here computes its log-probs right yet; load_models refuses these by name
+# (tests/test_conformance.py proves every other family of the registry; README lists these)
 REFUSED: dict[str, str] = {}
 
 
@@ -1090,6 +1091,9 @@ def load_models(cfg: Config):
     # weights stay fp32 for the trained models (bf16 runs under autocast); frozen ones may be bf16
     frozen_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     actor = _load("model_path", cfg.model_path, AutoModelForCausalLM.from_pretrained, dtype=torch.float32)
+    family = actor.config.model_type
+    if family in REFUSED:
+        raise UserError(f"model_path: {family} models are not supported: {REFUSED[family]}")
     if cfg.lora_rank:
         from peft import LoraConfig, get_peft_model
         targets = (cfg.lora_target_modules if cfg.lora_target_modules == "all-linear"

@@ -114,6 +114,21 @@ def test_actor_and_ref_log_probs_match_the_models_own_forward(model_type, saved,
     print(f"{model_type}: {time.perf_counter() - start:.2f} s")
 
 
+def test_a_refused_family_stops_at_load_with_one_line_naming_it(saved, monkeypatch, capsys):
+    monkeypatch.setitem(train_ppo.REFUSED, "llama", "its log-probs are not proven yet")
+    with pytest.raises(UserError) as refused:
+        load_models(Config(model_path=str(saved("llama")), adv_estimator="grpo"))
+    assert str(refused.value) == "model_path: llama models are not supported: its log-probs are not proven yet"
+
+
+def test_a_model_that_packing_would_change_runs_padded_with_one_note(saved, capsys):
+    """bamba's Mamba layers carry state along the row: packed sequences would leak into each other."""
+    _, actor, _, ref, _ = load_models(Config(model_path=str(saved("bamba")), adv_estimator="grpo"))
+    assert actor.config._attn_implementation == ref.config._attn_implementation == "sdpa"
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: remove_padding")]
+    assert len(notes) == 1 and "BambaForCausalLM runs padded micro-batches" in notes[0]
+
+
 def test_the_registry_walk_finds_the_common_families_and_says_why_it_skips():
     found = set(model_registry.families())
     assert {"llama", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere", "granite",
