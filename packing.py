@@ -132,12 +132,15 @@ def unpackable(model, atol: float = 1e-3):
     packed = Packed(row, positions, cu, None, None)
     try:
         with torch.no_grad():
-            alone = [model(input_ids=x[None], use_cache=False).logits[0].float() for x in seqs]   # [n, V] each
+            # the last hidden state: per position whatever the head (a reward model pools its logits)
+            alone = [model(input_ids=x[None], use_cache=False, output_hidden_states=True).hidden_states[-1][0].float()
+                     for x in seqs]                                                # [n, H] each
             with attention():
-                together = model(**packed.model_inputs(), use_cache=False).logits[0].float()      # [T, V]
+                together = model(**packed.model_inputs(), use_cache=False,
+                                 output_hidden_states=True).hidden_states[-1][0].float()           # [T, H]
     except Exception as e:   # the model refuses the packed inputs (cu_seq_lens_*, restarting positions)
         return f"its forward fails on a packed row: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    alone = torch.cat(alone)                                                       # [T, V]
+    alone = torch.cat(alone)                                                       # [T, H]
     error = float((together - alone).abs().max()) / max(1.0, float(alone.abs().max()))
     if not error <= atol:
         return f"packed sequences change its outputs (relative difference {error:.2g}): some layer mixes them"

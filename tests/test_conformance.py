@@ -129,6 +129,16 @@ def test_a_model_that_packing_would_change_runs_padded_with_one_note(saved, caps
     assert len(notes) == 1 and "BambaForCausalLM runs padded micro-batches" in notes[0]
 
 
+def test_critic_and_reward_model_of_a_packable_family_stay_packed(saved, tmp_path):
+    """The probe compares per-position outputs: a sequence classifier pools its logits at one token."""
+    from transformers import AutoModelForSequenceClassification
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(model_registry.tiny_config("qwen2")).save_pretrained(tmp_path)
+    _, actor, critic, ref, reward = load_models(Config(model_path=str(saved("qwen2")), reward_model_path=str(tmp_path),
+                                                       adv_estimator="gae"))
+    assert [m.config._attn_implementation for m in (actor, critic, ref, reward)] == [packing.NAME] * 4
+
+
 def test_the_registry_walk_finds_the_common_families_and_says_why_it_skips():
     found = set(model_registry.families())
     assert {"llama", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere", "granite",
