@@ -879,9 +879,10 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     """Log-prob (and entropy) of each response token under `model` -> [B, R] each.
     Only the B x R positions that predict response tokens reach the LM head. There the chunked
     head_logprobs takes the head's input and computes both without ever holding the [B, R, V]
-    logits; the head itself is handed an empty input. Where that cannot be done (a head with a
-    bias or an adapter, or ZeRO-3, whose partitioned weight exists only inside the head's own
-    forward) the logits are made and reduced one sequence at a time. The entropy builds a graph
+    logits; the head itself is handed an empty input, and the model's own logit scale and soft-cap
+    (load_models' head_transform) are applied there. Where that cannot be done (a head with a bias
+    or an adapter, other post-processing of the logits, or ZeRO-3, whose partitioned weight exists
+    only inside the head's own forward) the logits are made and reduced one sequence at a time. The entropy builds a graph
     only when it is part of the loss (entropy_grad)."""
     B, R = batch["responses"].shape
     head = _unwrap(model).get_output_embeddings()
