@@ -34,7 +34,7 @@ _TINY = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_topk": 2, "moe_k": 2, "num_experts_per_token": 2, "top_k_experts": 2,
     "n_group": 1, "topk_group": 1, "num_expert_group": 1, "first_k_dense_replace": 1, "num_dense_layers": 1,
-    "n_shared_experts": 1, "expand": 1, "mamba_expand": 1,
+    "rotary_dim": 8, "n_shared_experts": 1, "expand": 1, "mamba_expand": 1,
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "qk_head_dim": 16, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 2,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
@@ -164,6 +164,8 @@ def tiny_config(model_type: str):
     default = cls()
     # a property is derived from other fields (and has no setter): leave it to them
     kwargs = {k: v for k, v in _TINY.items() if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)}
+    if "qk_rope_head_dim" in kwargs and "head_dim" in kwargs:   # multi-head latent attention: rope over its own dims
+        kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
     if hasattr(default, "use_sliding_window"):      # Qwen2-style: windows only when switched on
         kwargs["use_sliding_window"] = True
         if hasattr(default, "max_window_layers"):   # layer 0 full, layer 1 sliding: the alternation bites
