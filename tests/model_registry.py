@@ -164,8 +164,6 @@ def tiny_config(model_type: str):
     default = cls()
     # a property is derived from other fields (and has no setter): leave it to them
     kwargs = {k: v for k, v in _TINY.items() if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)}
-    if "qk_rope_head_dim" in kwargs and "head_dim" in kwargs:   # multi-head latent attention: rope over its own dims
-        kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
     if hasattr(default, "use_sliding_window"):      # Qwen2-style: windows only when switched on
         kwargs["use_sliding_window"] = True
         if hasattr(default, "max_window_layers"):   # layer 0 full, layer 1 sliding: the alternation bites
