@@ -38,20 +38,66 @@ def attention():
         _active = before
 
 
-def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, sliding_window=None,
+               softcap=None, s_aux=None, **kwargs):
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
+    extras = softcap is not None or s_aux is not None      # what SDPA cannot do: the explicit form below
+    if cu is None and not extras:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:                                   # [1, kv, T, d] -> [1, kv * groups, T, d], as repeat_kv
+    if groups > 1:                                   # [b, kv, T, d] -> [b, kv * groups, T, d], as repeat_kv
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    drop = dropout if module.training else 0.0
+    if cu is None:   # a padded batch: the mask transformers built (window included), or causal when it built none
+        n = query.shape[2]
+        see = attention_mask if attention_mask is not None else _band(n, sliding_window, query.device)
+        if see.dtype != torch.bool:
+            see = see == 0                           # an additive float mask: 0 where attended
+        out = _attention_with_extras(query, key, value, scale, see, softcap, s_aux, drop)
+        return out.transpose(1, 2).contiguous(), None                            # [b, T, h, d]
     lengths = (cu[1:] - cu[:-1]).tolist()
+    out = []
     # split, not slices: its backward is one concatenation, where each slice's would be a full-size zero tensor
-    out = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling)
-           for q, k, v in zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2))]
+    for q, k, v in zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2)):
+        n = q.shape[2]
+        window = sliding_window if sliding_window is not None and sliding_window < n else None
+        if extras:
+            out.append(_attention_with_extras(q, k, v, scale, _band(n, window, q.device), softcap, s_aux, drop))
+        else:   # SDPA's causal kernel where the window covers the sequence, a banded mask only where it bites
+            mask = None if window is None else _band(n, window, q.device)
+            out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop,
+                                                      is_causal=mask is None, scale=scale))
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None            # [1, T, h, d]
+
+
+def _band(n: int, window, device):
+    """[n, n] bool, True where query i sees key j: causal, and within `window` tokens when given
+    (j > i - window, transformers' sliding-window convention)."""
+    i = torch.arange(n, device=device)
+    see = i[None, :] <= i[:, None]                                                # [n, n]
+    return see if window is None else see & (i[None, :] > i[:, None] - window)
+
+
+def _attention_with_extras(q, k, v, scale, see, softcap, sinks, dropout):
+    """One sequence's attention with what SDPA lacks: logits soft-capped (softcap * tanh(s / softcap),
+    Gemma 2) and per-head sink logits that join the softmax and are dropped after (s_aux, gpt-oss)."""
+    scores = (q @ k.transpose(-1, -2)) * scale                                    # [b, h, n, n]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~see, torch.finfo(scores.dtype).min)
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)   # [b, h, n, 1]
+        scores = torch.cat([scores, sink], dim=-1)                                # [b, h, n, n + 1]
+        # the max over the real logits and the sink keeps exp() in range, as the models' eager path does
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores.float(), dim=-1)[..., :-1].to(q.dtype)      # [b, h, n, n]
+    else:
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)                # [b, h, n, n]
+    probs = F.dropout(probs, p=dropout) if dropout else probs
+    return probs @ v                                                              # [b, h, n, d]
 
 
 def _mask(*args, **kwargs):
@@ -68,6 +114,37 @@ def register() -> str:
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, _mask)
     return NAME
+
+
+def unpackable(model, atol: float = 1e-3):
+    """Why `model` (attn_implementation NAME) cannot run packed rows, or None when it can: the
+    model run once on two short sequences packed in one row must give what it gives on each
+    alone. Catches whatever the packed attention does not honour (state carried along the row by
+    recurrent or convolutional layers, attention biases, sparse attention indices, ...), once,
+    before training, on the real model. Differences are relative to the outputs' size."""
+    lengths = (7, 5)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    device = model.get_input_embeddings().weight.device
+    seqs = [torch.arange(3, 3 + n, device=device) * (i + 2) % vocab for i, n in enumerate(lengths)]   # [n] each
+    row = torch.cat(seqs)[None]                                                    # [1, T]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]   # [1, T]
+    packed = Packed(row, positions, cu, None, None)
+    try:
+        with torch.no_grad():
+            # the last hidden state: per position whatever the head (a reward model pools its logits)
+            alone = [model(input_ids=x[None], use_cache=False, output_hidden_states=True).hidden_states[-1][0].float()
+                     for x in seqs]                                                # [n, H] each
+            with attention():
+                together = model(**packed.model_inputs(), use_cache=False,
+                                 output_hidden_states=True).hidden_states[-1][0].float()           # [T, H]
+    except Exception as e:   # the model refuses the packed inputs (cu_seq_lens_*, restarting positions)
+        return f"its forward fails on a packed row: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    alone = torch.cat(alone)                                                       # [T, H]
+    error = float((together - alone).abs().max()) / max(1.0, float(alone.abs().max()))
+    if not error <= atol:
+        return f"packed sequences change its outputs (relative difference {error:.2g}): some layer mixes them"
+    return None
 
 
 class Packed:

@@ -924,13 +924,16 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     settings draws from (cut and renormalised, no grad), from the same forward pass.
     Only the B x R positions that predict response tokens reach the LM head. There the chunked
     head_logprobs takes the head's input and computes both without ever holding the [B, R, V]
-    logits; the head itself is handed an empty input. Where that cannot be done (a head with a
-    bias or an adapter, or ZeRO-3, whose partitioned weight exists only inside the head's own
-    forward) the logits are made and reduced one sequence at a time. The entropy builds a graph
+    logits; the head itself is handed an empty input, and the model's own logit scale and soft-cap
+    (load_models' head_transform) are applied there. Where that cannot be done (a head with a bias
+    or an adapter, other post-processing of the logits, or ZeRO-3, whose partitioned weight exists
+    only inside the head's own forward) the logits are made and reduced one sequence at a time. The entropy builds a graph
     only when it is part of the loss (entropy_grad)."""
     B, R = batch["responses"].shape
     head = _unwrap(model).get_output_embeddings()
-    fused = type(head) is torch.nn.Linear and head.bias is None and not hasattr(head.weight, "ds_id")
+    transform = getattr(_unwrap(model), "head_transform", (1.0, None))    # set by load_models
+    fused = (transform is not None and type(head) is torch.nn.Linear and head.bias is None
+             and not hasattr(head.weight, "ds_id"))
     captured = []
     hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]) or (args[0][:, :0],)) \
         if fused else None
@@ -946,13 +949,13 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     if fused:
         hidden = captured[0]                                                      # [B, R, H] or [1, B * R, H]
         logprob, entropy = head_logprobs(hidden.reshape(B * R, -1), head.weight, batch["responses"].reshape(-1),
-                                         temperature)
+                                         temperature, *transform)
         logprob, entropy = logprob.view(B, R), entropy.view(B, R)
         entropy = (entropy if entropy_grad else entropy.detach()) if with_entropy else None
         if truncation is None:
             return logprob, entropy
         truncated = truncated_logprobs(hidden.reshape(B * R, -1), head.weight, batch["responses"].reshape(-1),
-                                       temperature, *truncation)
+                                       temperature, *truncation, *transform)
         return logprob, entropy, truncated.view(B, R)
     logits = out.logits.view(B, R, -1)                                            # [B, R, V]
     logprob = torch.stack([_token_logprobs(_scaled(row, temperature), tokens)
@@ -967,6 +970,42 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
         truncated = torch.stack([support_logprobs(_scaled(row, temperature), tokens, *truncation)
                                  for row, tokens in zip(logits, batch["responses"])])  # [B, R]
     return logprob, entropy, truncated
+
+
+def _note(line: str) -> None:
+    """One line on stderr, from the main process only (every rank decides the same)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {line}", file=sys.stderr, flush=True)
+
+
+@torch.no_grad()
+def head_transform(model):
+    """-> ((scale, softcap), None) when head_logprobs, fed the LM head's input with that scale and
+    soft-cap, gives `model`'s own logits; (None, why) when it cannot (another post-processing, a
+    head that is not a bias-free linear layer). Decided once at load on a short sequence; the
+    plain path, which reads the model's own logits, serves the rest."""
+    model = _unwrap(model)
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None, "its LM head is not a bias-free linear layer"
+    config = model.config.get_text_config()
+    scale = float(getattr(config, "logit_scale", None) or 1.0)                      # Cohere: multiplies
+    scale /= float(getattr(config, "logits_scaling", None) or 1.0)                  # Granite: divides
+    softcap = getattr(config, "final_logit_softcapping", None)                      # Gemma 2/3
+    captured = []
+    hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    try:
+        ids = torch.arange(3, 11, device=head.weight.device)[None] % head.weight.shape[0]   # [1, 8]
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()                     # [8, V]
+    finally:
+        hook.remove()
+    mine = captured[-1][0].float() @ head.weight.float().t() * scale                       # [8, V]
+    if softcap is not None:
+        mine = torch.tanh(mine / softcap) * softcap
+    error = float((mine - logits).abs().max()) / max(1.0, float(logits.abs().max()))
+    if error <= (1e-4 if head.weight.dtype == torch.float32 else 2e-2):
+        return (scale, softcap), None
+    return None, f"its forward post-processes the logits in a way the chunked head does not (difference {error:.2g})"
 
 
 def _packed(model, batch: dict):
@@ -1094,6 +1133,14 @@ def forward_in_micro_batches(fn, batch: dict, size: int, max_tokens: int = 0, ag
     return out
 
 
+# model type -> why no path here computes its log-probs right yet; load_models refuses these by name
+# (tests/test_conformance.py proves every other family of the registry; README lists these)
+REFUSED: dict[str, str] = {
+    "rwkv": "its recurrent state runs through the left padding of a batch (RWKV takes no attention mask) and "
+            "through the neighbours of a packed row, so neither layout gives its per-sequence log-probs",
+}
+
+
 def load_models(cfg: Config):
     lean_imports.skip_unused()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1101,6 +1148,9 @@ def load_models(cfg: Config):
     # weights stay fp32 for the trained models (bf16 runs under autocast); frozen ones may be bf16
     frozen_dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     actor = _load("model_path", cfg.model_path, AutoModelForCausalLM.from_pretrained, dtype=torch.float32)
+    family = actor.config.model_type
+    if family in REFUSED:
+        raise UserError(f"model_path: {family} models are not supported: {REFUSED[family]}")
     ends = getattr(actor.generation_config, "eos_token_id", None)
     ends = [ends] if isinstance(ends, int) else list(ends or [])
     if ends and tokenizer.eos_token_id not in ends:   # e.g. a tokenizer class's default EOS, added as a new token
@@ -1146,9 +1196,23 @@ def load_models(cfg: Config):
         if model is not None:
             model.eval()
     if cfg.remove_padding:   # packed micro-batches: SDPA once per sequence (flash-attention packs by itself)
+        verdicts = {}   # one probe per architecture: actor and ref share theirs
         for model in (actor, critic, ref, reward_model):
             if model is not None and model.config._attn_implementation == "sdpa":
                 model.set_attn_implementation(packing.register())
+                kind = (type(model), model.config.model_type)
+                if kind not in verdicts:
+                    verdicts[kind] = packing.unpackable(model, atol=1e-3 if model.dtype == torch.float32 else 3e-2)
+                    if verdicts[kind]:
+                        _note(f"remove_padding: {type(model).__name__} runs padded micro-batches: {verdicts[kind]}")
+                if verdicts[kind]:
+                    model.set_attn_implementation("sdpa")
+    for model in (actor, ref):
+        if model is not None:
+            transform, why = head_transform(model)
+            _unwrap(model).head_transform = transform
+            if why and model is actor:
+                _note(f"the chunked LM head is off for {type(_unwrap(model)).__name__}: {why}")
     for model, on in ((actor, cfg.gradient_checkpointing), (critic, critic_checkpointing(cfg))):
         if model is not None and on:   # armed here, active only inside recompute_activations()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,0 +1,148 @@
+"""The fast log-prob paths give the model's own numbers, on every decoder family transformers builds.
+
+For each family of tests/model_registry.py (walked from transformers' auto mappings), a tiny random
+model is saved, loaded through train_ppo.load_models as a run loads it (remove_padding on), and
+its actor and ref log-probs, entropies and gradients on a micro-batch of skewed prompt/response
+lengths are compared with the model's own Hugging Face forward on each sequence alone (eager
+attention, no padding), at two temperatures, packed and padded. A family the fast paths cannot
+serve is refused at load (train_ppo.REFUSED); the test checks the refusal is one line naming it.
+"""
+import time
+
+import pytest
+import torch
+
+import model_registry
+import packing
+import train_ppo
+from errors import UserError
+from train_ppo import Config, load_models, pack_batch, response_logprobs
+
+PROMPTS = [[5 + (7 * i) % 200 for i in range(n)] for n in (3, 21, 9, 1)]
+RESPONSES = [[9 + (11 * i) % 200 for i in range(n)] for n in (7, 2, 12, 1)]
+TEMPERATURES = (1.0, 0.7)
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def reference(model, temperature: float):
+    """Per-sequence log-probs and entropies of the responses from the model's own forward, eager
+    attention, each sequence alone -> lists of [r] tensors; the log-prob sum keeps its graph."""
+    logprobs, entropies = [], []
+    for prompt, response in zip(PROMPTS, RESPONSES):
+        if not response:
+            continue
+        ids = torch.tensor([prompt + response])                                   # [1, L]
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()           # [L, V]
+        logits = logits[len(prompt) - 1:-1] / temperature                          # [r, V]
+        log_p = torch.log_softmax(logits, dim=-1)                                  # [r, V]
+        logprobs.append(log_p.gather(1, torch.tensor(response)[:, None]).squeeze(1))
+        entropies.append(-(log_p.exp() * log_p).sum(-1).detach())
+    return logprobs, entropies
+
+
+def fast(model, temperature: float):
+    """The same through train_ppo.response_logprobs on the padded micro-batch -> lists of [r]."""
+    batch = pack_batch(PROMPTS, RESPONSES, pad_id=0)
+    logprob, entropy = response_logprobs(model, batch, temperature, with_entropy=True)    # [B, R]
+    return ([row[:len(r)] for row, r in zip(logprob, RESPONSES) if r],
+            [row[:len(r)].detach() for row, r in zip(entropy, RESPONSES) if r])
+
+
+def eager_twin(model):
+    """The model's own HF forward with the same weights: eager attention, fp32."""
+    twin = model_registry.build(model.config.model_type)
+    twin.load_state_dict(model.state_dict())
+    twin.set_attn_implementation("eager")
+    return twin.eval()
+
+
+def check(model, twin, temperature: float):
+    lp_ref, ent_ref = reference(twin, temperature)
+    lp, ent = fast(model, temperature)
+    for a, b in zip(lp, lp_ref):
+        torch.testing.assert_close(a.detach(), b.detach(), **TOL)
+    for a, b in zip(ent, ent_ref):
+        torch.testing.assert_close(a, b, **TOL)
+    if not any(p.requires_grad for p in model.parameters()):
+        return
+    model.zero_grad(set_to_none=True)
+    twin.zero_grad(set_to_none=True)
+    sum(x.sum() for x in lp).backward()
+    sum(x.sum() for x in lp_ref).backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4, msg=lambda m: f"grad of {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """model type -> a directory holding its tiny model and tokenizer, saved once per module."""
+    cache = {}
+
+    def get(model_type):
+        if model_type not in cache:
+            cache[model_type] = model_registry.save_tiny(model_type, tmp_path_factory.mktemp(model_type))
+        return cache[model_type]
+    return get
+
+
+# one family per feature the fast paths must honour, in the default run; the rest of the registry is marked slow
+FAST = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text", "cohere", "granite", "gpt_oss", "phi3", "starcoder2",
+        "mamba")
+
+
+@pytest.mark.parametrize("model_type", [t if t in FAST else pytest.param(t, marks=pytest.mark.slow)
+                                        for t in model_registry.families()])
+def test_actor_and_ref_log_probs_match_the_models_own_forward(model_type, saved, monkeypatch):
+    start = time.perf_counter()
+    cfg = Config(model_path=str(saved(model_type)), adv_estimator="grpo", use_kl_in_reward=True, remove_padding=True)
+    if model_type in train_ppo.REFUSED:
+        with pytest.raises(UserError) as refused:
+            load_models(cfg)
+        message = str(refused.value)
+        assert "\n" not in message and model_type in message and train_ppo.REFUSED[model_type] in message
+        return
+    _, actor, _, ref, _ = load_models(cfg)
+    twin, ref_twin = eager_twin(actor), eager_twin(ref).requires_grad_(False)
+    for layout in ("packed", "padded"):   # packing.worth_it decides between them at run time: force each
+        monkeypatch.setattr(packing, "worth_it", lambda batch, min_saving=0.1: layout == "packed")
+        for temperature in TEMPERATURES:
+            check(actor, twin, temperature)
+        check(ref, ref_twin, 1.0)
+    print(f"{model_type}: {time.perf_counter() - start:.2f} s")
+
+
+def test_a_refused_family_stops_at_load_with_one_line_naming_it(saved, monkeypatch, capsys):
+    monkeypatch.setitem(train_ppo.REFUSED, "llama", "its log-probs are not proven yet")
+    with pytest.raises(UserError) as refused:
+        load_models(Config(model_path=str(saved("llama")), adv_estimator="grpo"))
+    assert str(refused.value) == "model_path: llama models are not supported: its log-probs are not proven yet"
+
+
+def test_a_model_that_packing_would_change_runs_padded_with_one_note(saved, capsys):
+    """bamba's Mamba layers carry state along the row: packed sequences would leak into each other."""
+    _, actor, _, ref, _ = load_models(Config(model_path=str(saved("bamba")), adv_estimator="grpo"))
+    assert actor.config._attn_implementation == ref.config._attn_implementation == "sdpa"
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: remove_padding")]
+    assert len(notes) == 1 and "BambaForCausalLM runs padded micro-batches" in notes[0]
+
+
+def test_critic_and_reward_model_of_a_packable_family_stay_packed(saved, tmp_path):
+    """The probe compares per-position outputs: a sequence classifier pools its logits at one token."""
+    from transformers import AutoModelForSequenceClassification
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(model_registry.tiny_config("qwen2")).save_pretrained(tmp_path)
+    _, actor, critic, ref, reward = load_models(Config(model_path=str(saved("qwen2")), reward_model_path=str(tmp_path),
+                                                       adv_estimator="gae"))
+    assert [m.config._attn_implementation for m in (actor, critic, ref, reward)] == [packing.NAME] * 4
+
+
+def test_the_registry_walk_finds_the_common_families_and_says_why_it_skips():
+    found = set(model_registry.families())
+    assert {"llama", "qwen2", "mistral", "gemma2", "gemma3_text", "phi3", "starcoder2", "cohere", "granite",
+            "olmo2", "gpt_neox"} <= found
+    assert model_registry.SKIPPED["bart"] == "encoder-decoder"
+    assert all(reason for reason in model_registry.SKIPPED.values())
+    assert not found & set(model_registry.SKIPPED)

@@ -1,0 +1,41 @@
+"""head_logprobs reproduces models whose logits are post-processed after the LM head (scaled,
+soft-capped), values and gradients, and sizes its chunks by rows on CUDA (issue 19)."""
+import pytest
+import torch
+
+import head_logprobs as hl
+
+
+def autograd_reference(hidden, weight, tokens, temperature, scale, softcap):
+    z = hidden @ weight.t() * scale                                               # [N, V]
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    log_p = torch.log_softmax(z / temperature, dim=-1)                            # [N, V]
+    return log_p.gather(1, tokens[:, None]).squeeze(1), -(log_p.exp() * log_p).sum(-1)
+
+
+@pytest.mark.parametrize("scale, softcap", [(0.5, None), (1.0, 2.0), (0.25, 3.0)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_scaled_and_soft_capped_logits_give_autograds_values_and_gradients(scale, softcap, temperature, monkeypatch):
+    monkeypatch.setattr(hl, "CHUNK_ELEMENTS", 3 * 50)     # several chunks of 3 rows
+    g = torch.Generator().manual_seed(0)
+    hidden = (3 * torch.randn(10, 16, generator=g)).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).requires_grad_()
+    tokens = torch.randint(0, 50, (10,), generator=g)
+    w_lp, w_ent = torch.randn(10, generator=g), torch.randn(10, generator=g)
+    results = []
+    for fn in (lambda: hl.head_logprobs(hidden, weight, tokens, temperature, scale, softcap),
+               lambda: autograd_reference(hidden, weight, tokens, temperature, scale, softcap)):
+        hidden.grad = weight.grad = None
+        logprob, entropy = fn()
+        ((logprob * w_lp).sum() + (entropy * w_ent).sum()).backward()
+        results.append((logprob.detach(), entropy.detach(), hidden.grad.clone(), weight.grad.clone()))
+    for mine, ref in zip(*results):
+        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_chunks_go_by_rows_on_cuda_and_by_cache_on_cpu():
+    assert hl.chunk_rows(151_936, "cuda") >= 1024          # Qwen2.5's vocabulary: 13 rows was the defect
+    assert hl.chunk_rows(32_000, "cuda") >= 1024
+    assert hl.chunk_rows(151_936, "cuda") * 151_936 <= 2 ** 30   # a chunk's fp32 logits stay within 4 GB
+    assert hl.chunk_rows(151_936, "cpu") * 151_936 <= hl.CHUNK_ELEMENTS
