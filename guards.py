@@ -70,7 +70,8 @@ class Guards:
         self.consecutive_skips = 0
         if self.rollbacks > cfg.max_rollbacks:
             raise UserError(f"step {step}: {reason}; giving up after max_rollbacks={cfg.max_rollbacks} rollbacks "
-                            f"(lower actor_lr or raise kl_rollback_threshold, and resume with the same command and that change)")
+                            f"(lower actor_lr or raise kl_rollback_threshold, and resume with the same command "
+                            f"and that change)")
         path = find_checkpoint("auto", cfg.output_dir)
         if path is None:
             raise UserError(f"step {step}: {reason}, and there is no checkpoint to roll back to: set save_freq")

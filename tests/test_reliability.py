@@ -226,3 +226,102 @@ def test_dry_run_counts_the_actor_the_hf_engine_gathers_under_zero3(capsys):
     assert "does not fit" in out and any("gathered full actor" in ln for ln in out.splitlines() if ln.startswith("  - "))
     assert preflight.report(seven_b_plan("vllm", 3, 40))   # vLLM's own copy: the same run fits
     assert not [w for w, _, _ in preflight.rows_for(seven_b_plan("hf", 2, 40), 8) if "gathered full actor" in w]
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. entropy_floor: judged on a measure the reaction does not move
+def test_entropy_reaction_stays_until_the_policy_recovers_and_resumes_in_the_same_state(tmp_path):
+    """A forced collapse: the demo's entropy at temperature 1 (about 0.6) is under entropy_floor=1,
+    so from step 2 the run samples at temperature 3, where actor/entropy (measured at the sampling
+    temperature) is far above entropy_recover=1.5 at once. The policy has not changed, so the
+    reaction must stay on: guard/entropy, at the configured temperature, stays below 1.5 (judged on
+    actor/entropy the reaction flapped on, off, on). A run stopped after step 3 and resumed
+    carries on in that state, exactly like the whole run."""
+    react = ["--entropy_floor=1.0", "--entropy_floor_temperature=3.0", "--entropy_floor_coeff=0.01",
+             "--entropy_recover=1.5", *FAST]
+    whole = run1(tmp_path, f"--output_dir={tmp_path / 'whole'}", *react, "--total_training_steps=4")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    logged = records(tmp_path / "whole")
+    assert [r["guard/entropy_reaction"] for r in logged] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["guard/temperature"] for r in logged] == [1.0, 3.0, 3.0, 3.0]
+    assert [r["guard/entropy_coeff"] for r in logged] == [0.0, 0.01, 0.01, 0.01]
+    for r in logged[1:]:   # what used to undo the reaction, and what judges it now
+        assert r["actor/entropy"] > 1.5 > r["guard/entropy"]
+    assert whole.stderr.count("< entropy_floor") == 1 and "> entropy_recover" not in whole.stderr
+
+    split = tmp_path / "split"
+    for steps in (3, 4):
+        proc = run1(tmp_path, f"--output_dir={split}", *react, f"--total_training_steps={steps}", "--save_freq=3")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout
+    same = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rs]  # noqa: E731
+    assert same(records(split)) == same(logged)
+
+
+def test_entropy_reaction_ends_when_the_policy_really_recovers_and_a_wrong_way_reaction_is_warned(tmp_path):
+    """A strong entropy bonus as the reaction (entropy_floor_coeff=1 at a high learning rate) does
+    raise the policy's own entropy: once guard/entropy is above entropy_recover the reaction ends.
+    Its temperature 0.8 < 1.0 lowers entropy, which the run warns about at the start."""
+    out = tmp_path / "out"
+    proc = run1(tmp_path, f"--output_dir={out}", "--entropy_floor=1.0", "--entropy_recover=1.2",
+                "--entropy_floor_temperature=0.8", "--entropy_floor_coeff=1.0", "--actor_lr=2e-3",
+                "--total_training_steps=4", *FAST)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "entropy_floor_temperature=0.8 is below temperature=1" in proc.stderr
+    logged = records(out)
+    reaction = [r["guard/entropy_reaction"] for r in logged]
+    assert reaction[:2] == [0.0, 1.0] and 0.0 in reaction[2:], reaction
+    end = reaction.index(0.0, 2)          # the first step after the reaction ended
+    assert all(r == 1.0 for r in reaction[1:end])
+    assert logged[end - 1]["guard/entropy"] > 1.2   # judged recovered on the configured temperature's entropy
+    assert all(r["guard/entropy"] <= 1.2 for r in logged[1:end - 1])
+    assert logged[end]["guard/temperature"] == 1.0 and logged[end]["guard/entropy_coeff"] == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. rollout_fallback_hf when vLLM fails on one rank only
+KV_CACHE_FAILS_ON_RANK1 = """
+import importlib.abc, importlib.util, os, sys
+if os.environ.get("RANK") == "1":
+    class _FailKVCache(importlib.abc.MetaPathFinder):
+        # once vLLM's CPU worker module loads on rank 1, its KV-cache sizing fails there as it does
+        # when that rank's memory is short: after vLLM's distributed setup, which both ranks ran
+        def find_spec(self, name, path, target=None):
+            if name != "vllm.v1.worker.cpu_worker":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run_module = spec.loader.exec_module
+
+            def exec_module(module):
+                run_module(module)
+
+                def determine_available_memory(worker):
+                    raise ValueError("available memory on this rank is less than requested for the kv cache")
+                module.CPUWorker.determine_available_memory = determine_available_memory
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _FailKVCache())
+"""
+
+
+@pytest.mark.slow
+def test_zero3_vllm_failing_on_one_rank_falls_back_on_every_rank(tmp_path):
+    """vLLM starts on rank 0 but not on rank 1 (its KV cache does not fit there), with
+    rollout_fallback_hf: every rank must generate with the hf engine, so that the weight sync's
+    ZeRO-3 gathers are run by all or none; setup must not hang, and the run trains to the end."""
+    (tmp_path / "sitecustomize.py").write_text(KV_CACHE_FAILS_ON_RANK1)
+    out = tmp_path / "out"
+    proc = launch2(tmp_path, f"--output_dir={out}", "--total_training_steps=2", "--rollout_engine=vllm",
+                   "--rollout_fallback_hf=true", "--rollout_sync_bucket_mb=0.5", *RUN2,
+                   env_extra={"PYTHONPATH": str(tmp_path)}, timeout=600)
+    assert proc.returncode == 0, tail(proc)
+    assert "vLLM did not start, generating with the hf engine" in proc.stderr   # rank 1
+    assert "rank 0: vLLM started here but not on every rank" in proc.stderr
+    assert "rollout engine hf" in proc.stdout
+    logged = records(out)
+    assert [r["step"] for r in logged] == [1, 2]
+    for r in logged:
+        assert all(math.isfinite(v) for v in r.values())
+        assert r["rollout/logprob_diff"] == 0.0   # the actor sampled on both ranks: vLLM's would differ by rounding
