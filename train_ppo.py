@@ -1643,6 +1643,7 @@ class Run:
     resumed: dict | None = None
     engine_state: dict | None = None   # the rollout engine's state from a checkpoint
     hf: typing.Any = None              # the actor as a sampler, for rollout_on_drift=regenerate
+    parked: typing.Any = None          # a vLLM engine that started while another rank's did not: asleep, unused
     shapes: dict = field(default_factory=dict)   # role -> flops.Shape, for perf/mfu
     peak_flops: float = 0.0                      # the device's peak FLOP/s; 0 = unknown, no perf/mfu
 
@@ -1717,6 +1718,17 @@ def setup(cfg: Config) -> Run:
     run.peak_flops = float(accelerator.gather(peak).min())
     run.engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, [gathered_params(actor, ds), autocast],
                              world, rank)
+    if cfg.rollout_engine == "vllm" and world > 1:
+        # rollout_fallback_hf: all ranks fall back together, or the vLLM ranks would wait in the
+        # weight sync's ZeRO-3 gathers for a rank that never joins them
+        started = accelerator.gather(torch.tensor([float(run.engine.name == "vllm")], device=accelerator.device))
+        if not started.all() and run.engine.name == "vllm":
+            print(f"warning: rank {rank}: vLLM started here but not on every rank: all ranks generate with the hf "
+                  "engine (rollout_fallback_hf)", file=sys.stderr, flush=True)
+            run.engine.sleep()   # kept, not shut down: vLLM's teardown destroys the process group
+            run.parked, run.engine = run.engine, make_engine(cfg, accelerator.unwrap_model(actor), tokenizer,
+                                                             [gathered_params(actor, ds), autocast], world, rank,
+                                                             kind="hf")
     run.engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))   # e.g. a resumed actor
     if resumed:
         run.engine.load_state_dict(run.engine_state)

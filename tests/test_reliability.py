@@ -280,14 +280,15 @@ def test_entropy_reaction_ends_when_the_policy_really_recovers_and_a_wrong_way_r
 
 # ----------------------------------------------------------------------------------------------
 # 4. rollout_fallback_hf when vLLM fails on one rank only
-KV_CACHE_FAILS_ON_RANK1 = """
+FIRST_FORWARD_FAILS_ON_RANK1 = """
 import importlib.abc, importlib.util, os, sys
 if os.environ.get("RANK") == "1":
-    class _FailKVCache(importlib.abc.MetaPathFinder):
-        # once vLLM's CPU worker module loads on rank 1, its KV-cache sizing fails there as it does
-        # when that rank's memory is short: after vLLM's distributed setup, which both ranks ran
+    class _FailFirstForward(importlib.abc.MetaPathFinder):
+        # once vLLM's LLM class loads on rank 1, its generate fails there, as an unsupported kernel
+        # does at the first forward: after vLLM's own setup, whose collectives span both ranks (a
+        # failure inside them hangs vLLM itself, whatever the trainer does)
         def find_spec(self, name, path, target=None):
-            if name != "vllm.v1.worker.cpu_worker":
+            if name != "vllm.entrypoints.llm":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)
@@ -296,22 +297,22 @@ if os.environ.get("RANK") == "1":
             def exec_module(module):
                 run_module(module)
 
-                def determine_available_memory(worker):
-                    raise ValueError("available memory on this rank is less than requested for the kv cache")
-                module.CPUWorker.determine_available_memory = determine_available_memory
+                def generate(llm, *args, **kwargs):
+                    raise RuntimeError("no kernel for this attention head size on this rank's device")
+                module.LLM.generate = generate
             spec.loader.exec_module = exec_module
             return spec
 
-    sys.meta_path.insert(0, _FailKVCache())
+    sys.meta_path.insert(0, _FailFirstForward())
 """
 
 
 @pytest.mark.slow
 def test_zero3_vllm_failing_on_one_rank_falls_back_on_every_rank(tmp_path):
-    """vLLM starts on rank 0 but not on rank 1 (its KV cache does not fit there), with
+    """vLLM starts on rank 0 but not on rank 1 (its first forward fails there), with
     rollout_fallback_hf: every rank must generate with the hf engine, so that the weight sync's
     ZeRO-3 gathers are run by all or none; setup must not hang, and the run trains to the end."""
-    (tmp_path / "sitecustomize.py").write_text(KV_CACHE_FAILS_ON_RANK1)
+    (tmp_path / "sitecustomize.py").write_text(FIRST_FORWARD_FAILS_ON_RANK1)
     out = tmp_path / "out"
     proc = launch2(tmp_path, f"--output_dir={out}", "--total_training_steps=2", "--rollout_engine=vllm",
                    "--rollout_fallback_hf=true", "--rollout_sync_bucket_mb=0.5", *RUN2,
