@@ -318,11 +318,11 @@ def test_zero3_vllm_failing_on_one_rank_falls_back_on_every_rank(tmp_path):
                    "--rollout_fallback_hf=true", "--rollout_sync_bucket_mb=0.5", *RUN2,
                    env_extra={"PYTHONPATH": str(tmp_path)}, timeout=600)
     assert proc.returncode == 0, tail(proc)
-    assert "vLLM did not start, generating with the hf engine" in proc.stderr   # rank 1
-    assert "rank 0: vLLM started here but not on every rank" in proc.stderr
-    assert "rollout engine hf" in proc.stdout
     logged = records(out)
     assert [r["step"] for r in logged] == [1, 2]
     for r in logged:
         assert all(math.isfinite(v) for v in r.values())
         assert r["rollout/logprob_diff"] == 0.0   # the actor sampled on both ranks: vLLM's would differ by rounding
+    assert "rollout engine hf" in proc.stdout   # rank 0's engine, in the header it prints
+    assert "vLLM did not start, generating with the hf engine" in proc.stderr   # rank 1
+    assert "rank 0: vLLM started here but not on every rank" in proc.stderr
