@@ -97,6 +97,7 @@ def test_zero3_nan_loss_on_one_rank_reduces_the_same_keys_everywhere(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # 6. the guards' advice resumes
+@pytest.mark.slow
 def test_a_run_a_guard_stopped_resumes_with_the_advised_change(tmp_path):
     """kl_rollback_threshold below any real KL with max_rollbacks=0: the guard stops the run at
     step 2 advising to lower actor_lr or raise kl_rollback_threshold. The same command with both
@@ -230,6 +231,7 @@ def test_dry_run_counts_the_actor_the_hf_engine_gathers_under_zero3(capsys):
 
 # ----------------------------------------------------------------------------------------------
 # 2. entropy_floor: judged on a measure the reaction does not move
+@pytest.mark.slow
 def test_entropy_reaction_stays_until_the_policy_recovers_and_resumes_in_the_same_state(tmp_path):
     """A forced collapse: the demo's entropy at temperature 1 (about 0.6) is under entropy_floor=1,
     so from step 2 the run samples at temperature 3, where actor/entropy (measured at the sampling
@@ -258,6 +260,7 @@ def test_entropy_reaction_stays_until_the_policy_recovers_and_resumes_in_the_sam
     assert same(records(split)) == same(logged)
 
 
+@pytest.mark.slow
 def test_entropy_reaction_ends_when_the_policy_really_recovers_and_a_wrong_way_reaction_is_warned(tmp_path):
     """A strong entropy bonus as the reaction (entropy_floor_coeff=1 at a high learning rate) does
     raise the policy's own entropy: once guard/entropy is above entropy_recover the reaction ends.
