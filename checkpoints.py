@@ -27,11 +27,16 @@ import torch
 
 from errors import UserError, first_line
 
+# what the guards advise changing (guards.py): none changes a tensor's shape or what a checkpoint
+# holds, so a run a guard stopped resumes with the advised change (a new actor_lr rescales the
+# restored schedule: guards.rescale_lr)
+GUARD_ADVICE_KEYS = {"actor_lr", "kl_rollback_threshold", "max_rollbacks", "rollback_lr_factor", "max_consecutive_skips",
+                     "rollout_on_drift", "rollout_max_logprob_diff"}
 # keys that may change between a checkpoint and its resumption; any other difference is refused
 RESUMABLE_KEYS = {"total_training_steps", "save_freq", "save_total_limit", "resume", "test_freq", "val_before_train",
                   "mlflow_tracking_uri", "mlflow_experiment", "mlflow_log_model", "run_name", "log_samples", "output_dir",
                   "rollout_micro_batch_size", "val_files", "val_temperature", "gradient_checkpointing", "peak_tflops",
-                  "malloc_mmap_threshold_mb"}
+                  "malloc_mmap_threshold_mb"} | GUARD_ADVICE_KEYS
 
 
 def find_checkpoint(resume: str, output_dir: str) -> Path | None:
@@ -78,6 +83,7 @@ def check_resumable(config: dict, state: dict, path: Path) -> list[str]:
         raise UserError(f"checkpoint {path} was made with a different config ({listing}){why}; resume with the "
                         f"same settings, pick another output_dir, or pass --resume=never")
     return [f"{k} changed from {saved.get(k)!r} to {config[k]!r} since the checkpoint; using {config[k]!r}"
+            + (" (a guard's setting: safe to change on resume)" if k in GUARD_ADVICE_KEYS else "")
             for k in sorted(RESUMABLE_KEYS) if k in config and k != "resume" and saved.get(k) != config[k]]
 
 

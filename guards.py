@@ -43,12 +43,16 @@ class Guards:
         if cfg.entropy_warn_threshold > 0 and entropy is not None and entropy < cfg.entropy_warn_threshold:
             print(f"warning: step {step}: actor/entropy={entropy:.4g} < entropy_warn_threshold="
                   f"{cfg.entropy_warn_threshold} (entropy collapse)", file=sys.stderr, flush=True)
-        if cfg.entropy_floor > 0 and entropy is not None:
-            turn_on = not self.entropy_reaction and entropy < cfg.entropy_floor
-            turn_off = self.entropy_reaction and cfg.entropy_recover > 0 and entropy > cfg.entropy_recover
+        # judged at the configured temperature: actor/entropy is measured at the sampling one, which
+        # a temperature reaction moves at once, so on it the reaction would undo itself every step.
+        # The band between entropy_floor and entropy_recover is the hysteresis
+        measure = metrics.get("guard/entropy")
+        if cfg.entropy_floor > 0 and measure is not None:
+            turn_on = not self.entropy_reaction and measure < cfg.entropy_floor
+            turn_off = self.entropy_reaction and cfg.entropy_recover > 0 and measure > cfg.entropy_recover
             if turn_on or turn_off:
                 self.entropy_reaction = turn_on
-                print(f"warning: step {step}: actor/entropy={entropy:.4g} "
+                print(f"warning: step {step}: guard/entropy={measure:.4g} "
                       f"{'< entropy_floor' if turn_on else '> entropy_recover'}: from the next step temperature="
                       f"{self.temperature:g}, entropy_coeff={self.entropy_coeff:g}", file=sys.stderr, flush=True)
         if cfg.kl_rollback_threshold > 0 and metrics.get("kl/mean", 0.0) > cfg.kl_rollback_threshold:
@@ -66,17 +70,31 @@ class Guards:
         self.consecutive_skips = 0
         if self.rollbacks > cfg.max_rollbacks:
             raise UserError(f"step {step}: {reason}; giving up after max_rollbacks={cfg.max_rollbacks} rollbacks "
-                            f"(lower actor_lr or raise kl_rollback_threshold)")
+                            f"(lower actor_lr or raise kl_rollback_threshold, and resume with the same command "
+                            f"and that change)")
         path = find_checkpoint("auto", cfg.output_dir)
         if path is None:
             raise UserError(f"step {step}: {reason}, and there is no checkpoint to roll back to: set save_freq")
         state = read_state(path)
         restore(path, state)
         scale = cfg.rollback_lr_factor ** (self.rollbacks - state.get("rollbacks", 0))   # its lr may be scaled already
-        sched.base_lrs = [lr * scale for lr in sched.base_lrs]
-        for group, base in zip(optim.param_groups, sched.base_lrs):
-            group["lr"] = base * sched.lr_lambdas[0](sched.last_epoch)
+        rescale_lr(optim, sched, scale * resumed_lr_scale(cfg.actor_lr, state))
         if announce:
             print(f"warning: step {step}: {reason}; rolling back to {path} with actor lr x{scale:g} "
                   f"(rollback {self.rollbacks}/{cfg.max_rollbacks})", file=sys.stderr, flush=True)
         return state
+
+
+def resumed_lr_scale(actor_lr: float, state: dict) -> float:
+    """A checkpoint's schedule carries the actor_lr it was made with (times any rollbacks'
+    factors): the factor that makes it the configured one, e.g. after the advice to lower it."""
+    saved = state.get("config", {}).get("actor_lr", actor_lr)
+    return actor_lr / saved if saved else 1.0
+
+
+def rescale_lr(optim, sched, scale: float) -> None:
+    """Multiply the actor's learning rate (the schedule's base and the optimizer's current one) by scale."""
+    sched.base_lrs = [lr * scale for lr in sched.base_lrs]
+    for group, base in zip(optim.param_groups, sched.base_lrs):
+        group["lr"] = base * sched.lr_lambdas[0](sched.last_epoch)
+    sched._last_lr = [group["lr"] for group in optim.param_groups]   # what actor/lr logs before the next step

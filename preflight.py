@@ -15,7 +15,8 @@ The figures are estimates of the largest terms, stated per component so they can
   scores (PyTorch's CPU attention keeps them; the GPU's fused kernels do not); with gradient checkpointing only each layer's input, plus
   one layer's full set. The logits of a micro-batch (response positions only x vocabulary, fp32)
   three times over: the logits, the softmax's workspace, their gradient.
-- generation: the hf engine's KV cache; vLLM's share (gpu_memory_utilization of the GPU, or its
+- generation: the hf engine's KV cache, and under ZeRO-3 the whole actor it gathers on every rank
+  for the rollout (its full weights, not a shard); vLLM's share (gpu_memory_utilization of the GPU, or its
   weights plus rollout_kv_cache_gb on CPU), which on a GPU coexists with the model states during
   generation (sleep mode only frees it while the models train).
 - the process itself: on CPU, the resident memory of the libraries once imported (measured now);
@@ -142,6 +143,8 @@ def rows_for(plan: Plan, world: int) -> list[tuple[str, float, str]]:
     if plan.engine == "hf":
         kv = 2 * plan.gen_batch * plan.seq_len * a.layers * a.kv_width * act_b
         rows.append(("generation KV cache (hf engine)", kv, device))
+        if z == 3:   # generate() runs on the whole actor, gathered on every rank for the rollout
+            rows.append(("generation: gathered full actor (hf engine, ZeRO-3)", a.params * weight_b, device))
     elif plan.gpu_bytes:
         rows.append(("vLLM (rollout_gpu_memory_utilization, during generation)",
                      plan.gpu_memory_utilization * plan.gpu_bytes, device))
@@ -159,7 +162,7 @@ def need(rows) -> tuple[float, float]:
     def is_act(what):
         return "activations" in what or "logits" in what
     def is_gen(what):
-        return "KV cache" in what or "vLLM" in what
+        return "KV cache" in what or "vLLM" in what or what.startswith("generation")
     base = {"device": 0.0, "host": 0.0}
     for what, b, where in rows:
         if not is_act(what) and not is_gen(what):
@@ -223,6 +226,8 @@ def _advice(rows, plan: Plan) -> list[str]:
             tip = "lower rollout_gpu_memory_utilization" if plan.gpu_bytes else "lower rollout_kv_cache_gb"
         elif "KV cache" in what:
             tip = "lower rollout_micro_batch_size"
+        elif "gathered full actor" in what:
+            tip = "rollout_engine=vllm (its own copy, asleep while the models train), or more memory per rank"
         elif "reference" in what:
             tip = "ref_offload=true (under ZeRO-3), or use_kl_loss=false and use_kl_in_reward=false"
         else:

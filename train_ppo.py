@@ -25,6 +25,7 @@ import os
 import sys
 import time
 import typing
+import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ import value_models
 from checkpoints import StopSignal, check_resumable, find_checkpoint, load_checkpoint, read_state, save_checkpoint
 from distributed import Role, gathered_params, param_share
 from errors import UserError, first_line
-from guards import Guards
+from guards import Guards, rescale_lr, resumed_lr_scale
 from head_logprobs import head_logprobs, support_logprobs, truncated_logprobs
 from rollout import SamplingParams
 from tracking import Tracker, run_tags
@@ -118,13 +119,15 @@ class Config:
     max_consecutive_skips: int = opt(5, "roll back after this many optimizer steps in a row skipped for a non-finite "
                                         "gradient norm; 0 = never")
     entropy_warn_threshold: float = opt(0.01, "warn when actor/entropy falls below this (entropy collapse); 0 = off")
-    entropy_floor: float = opt(0.0, "react to entropy collapse: when actor/entropy falls below this, switch to "
-                                    "entropy_floor_temperature and/or entropy_floor_coeff; 0 = off")
+    entropy_floor: float = opt(0.0, "react to entropy collapse: when guard/entropy (the policy's entropy at "
+                                    "`temperature`) falls below this, switch to entropy_floor_temperature and/or "
+                                    "entropy_floor_coeff; 0 = off")
     entropy_floor_temperature: typing.Optional[float] = opt(None, "entropy_floor: the sampling temperature while "
-                                                                  "reacting (e.g. 0.8); None = unchanged")
+                                                                  "reacting, above temperature to raise entropy "
+                                                                  "(e.g. 1.2); None = unchanged")
     entropy_floor_coeff: typing.Optional[float] = opt(None, "entropy_floor: the entropy_coeff while reacting "
                                                             "(e.g. 0.01); None = unchanged")
-    entropy_recover: float = opt(0.0, "entropy_floor: undo the reaction once actor/entropy rises above this "
+    entropy_recover: float = opt(0.0, "entropy_floor: undo the reaction once guard/entropy rises above this "
                                       "(> entropy_floor); 0 = keep it for the rest of the run")
     skip_nonfinite_rewards: bool = opt(False, "a NaN/inf score drops that sample from the update instead of stopping the run")
     # tracking
@@ -250,6 +253,14 @@ def config_warnings(cfg: Config) -> list[str]:
                      "by kl_coef x KL, and dividing by the group's std turns that noise into advantages of about "
                      "+-1 (on the demo: +6 validation points instead of +31). verl's GRPO recipes use "
                      "use_kl_in_reward=false and use_kl_loss=true (configs/demo_grpo.yaml)")
+    if cfg.entropy_floor and cfg.entropy_floor_temperature is not None and cfg.entropy_floor_temperature < cfg.temperature:
+        notes.append(f"entropy_floor_temperature={cfg.entropy_floor_temperature:g} is below temperature="
+                     f"{cfg.temperature:g}: sampling colder lowers entropy, so this reaction to entropy collapse "
+                     f"deepens it; a temperature above {cfg.temperature:g} raises it")
+    if cfg.entropy_floor and cfg.entropy_floor_coeff is not None and cfg.entropy_floor_coeff < cfg.entropy_coeff:
+        notes.append(f"entropy_floor_coeff={cfg.entropy_floor_coeff:g} is below entropy_coeff={cfg.entropy_coeff:g}: "
+                     "a smaller entropy bonus lets entropy fall further, so this reaction to entropy collapse "
+                     "deepens it")
     return notes
 
 
@@ -1416,21 +1427,30 @@ def sft_loss(accelerator, actor, sft: SFTStream, autocast) -> torch.Tensor:
 
 def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, ds: bool, sft=None,
                  temperature: float = 1.0, entropy_coeff: float = 0.0) -> dict:
+    """guard/entropy (with entropy_floor): the entropy at the configured temperature, which a
+    reacted sampling temperature does not move; measured over the first epoch, with one more
+    no-grad pass per micro-batch only while the sampling temperature differs from it."""
     stats = Stats()
     sched = schedule(cfg, "actor")
     mini = sched.mini_batch * cfg.rollout_n // accelerator.num_processes
     agree = max_over_ranks(accelerator)
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
-    for _ in range(sched.epochs):
+    for epoch in range(sched.epochs):
         for mb in mini_batches(batch, mini):
             norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
             loss_total = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0}
             for _, micro in micro_batches(mb, sched.micro_batch, sched.max_tokens, agree):
                 m = micro["response_mask"]
+                if cfg.entropy_floor and epoch == 0 and temperature != cfg.temperature:
+                    with autocast(), torch.no_grad():   # every rank reacts alike: the same passes everywhere
+                        _, at_config = response_logprobs(actor, micro, cfg.temperature, with_entropy=True)
+                    stats.add({"guard/entropy": masked_mean(at_config, m).item()})
                 with autocast():
                     logprob, entropy = response_logprobs(actor, micro, temperature, with_entropy=True,
                                                          entropy_grad=entropy_coeff != 0)
+                if cfg.entropy_floor and epoch == 0 and temperature == cfg.temperature:
+                    stats.add({"guard/entropy": masked_mean(entropy.detach(), m).item()})
                 pg, pg_stats = policy_loss(micro["old_logprob"], logprob, micro["advantages"], m, low, high,
                                            cfg.clip_ratio_c, cfg.loss_agg_mode, micro.get("is_weights"), **norms)
                 loss = pg
@@ -1487,15 +1507,20 @@ class Stats:
         self.counts: dict[str, int] = {}
 
     def add(self, metrics: dict):
+        # a NaN (e.g. the norm of a skipped step) is kept so the key is: under several processes every
+        # rank must reduce the same keys, whatever its data
         for k, v in metrics.items():
-            if not (isinstance(v, float) and math.isnan(v)):
-                self.values.setdefault(k, []).append(float(v))
+            self.values.setdefault(k, []).append(float(v))
 
     def count(self, key: str, hit: bool):
         self.counts[key] = self.counts.get(key, 0) + int(hit)
 
     def means(self) -> dict:
-        out = {k: sum(v) / len(v) for k, v in self.values.items() if v}
+        """Each metric's mean over its non-NaN values; NaN if it had none."""
+        out = {}
+        for k, v in self.values.items():
+            kept = [x for x in v if not math.isnan(x)]
+            out[k] = sum(kept) / len(kept) if kept else float("nan")
         out.update(self.counts)
         return out
 
@@ -1726,12 +1751,24 @@ def gather_rows(accelerator, t):
 
 
 def reduce_metrics(accelerator, metrics: dict) -> dict:
-    """Mean of each metric over ranks, all in one collective."""
+    """Mean of each metric over the ranks where it is not NaN (NaN where it is on all), all in one
+    collective, after a 2-number one that checks every rank has the same keys: ranks reducing
+    different key lists would hang, or abort, or pair values with the wrong names."""
     if accelerator.num_processes == 1:
         return metrics
     keys = sorted(metrics)
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)
-    return dict(zip(keys, accelerator.reduce(t, reduction="mean").tolist()))
+    signature = torch.tensor([len(keys), zlib.crc32("\n".join(keys).encode())], dtype=torch.float64,
+                             device=accelerator.device)
+    if (accelerator.gather(signature).view(-1, 2) != signature).any():
+        from accelerate.utils import gather_object
+        every = gather_object([keys])
+        odd = sorted(set().union(*every) - set.intersection(*map(set, every)))
+        raise RuntimeError(f"ranks reduce different metric keys (a metric must not depend on a rank's data): {odd}")
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)  # [n]
+    seen = ~values.isnan()                                                                                   # [n]
+    sums = accelerator.reduce(torch.cat([torch.where(seen, values, 0.0), seen.double()]), reduction="sum")   # [2n]
+    total, count = sums[:len(keys)], sums[len(keys):]
+    return dict(zip(keys, torch.where(count > 0, total / count.clamp(min=1), float("nan")).tolist()))
 
 
 def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group_ids, valid) -> dict:
@@ -1788,6 +1825,7 @@ class Run:
     resumed: dict | None = None
     engine_state: dict | None = None   # the rollout engine's state from a checkpoint
     hf: typing.Any = None              # the actor as a sampler, for rollout_on_drift=regenerate
+    parked: typing.Any = None          # a vLLM engine that started while another rank's did not: asleep, unused
     shapes: dict = field(default_factory=dict)   # role -> flops.Shape, for perf/mfu
     peak_flops: float = 0.0                      # the device's peak FLOP/s; 0 = unknown, no perf/mfu
 
@@ -1850,6 +1888,7 @@ def setup(cfg: Config) -> Run:
               autocast)
     if resumed:
         restore(run, ckpt, resumed)
+        rescale_lr(*run.trained["actor"][1:], resumed_lr_scale(cfg.actor_lr, resumed))   # e.g. a guard's advice
         if accelerator.is_main_process:
             print(f"resuming from {ckpt} (step {resumed['step']})", flush=True)
     run.resumed = resumed
@@ -1861,6 +1900,17 @@ def setup(cfg: Config) -> Run:
     run.peak_flops = float(accelerator.gather(peak).min())
     run.engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, [gathered_params(actor, ds), autocast],
                              world, rank)
+    if cfg.rollout_engine == "vllm" and world > 1:
+        # rollout_fallback_hf: all ranks fall back together, or the vLLM ranks would wait in the
+        # weight sync's ZeRO-3 gathers for a rank that never joins them
+        started = accelerator.gather(torch.tensor([float(run.engine.name == "vllm")], device=accelerator.device))
+        if not started.all() and run.engine.name == "vllm":
+            print(f"warning: rank {rank}: vLLM started here but not on every rank: all ranks generate with the hf "
+                  "engine (rollout_fallback_hf)", file=sys.stderr, flush=True)
+            run.engine.sleep()   # kept, not shut down: vLLM's teardown destroys the process group
+            run.parked, run.engine = run.engine, make_engine(cfg, accelerator.unwrap_model(actor), tokenizer,
+                                                             [gathered_params(actor, ds), autocast], world, rank,
+                                                             kind="hf")
     run.engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))   # e.g. a resumed actor
     if resumed:
         run.engine.load_state_dict(run.engine_state)
@@ -1991,16 +2041,15 @@ def train_step(run: Run, step: int) -> dict:
     if cfg.rollout_max_logprob_diff > 0 and drift > cfg.rollout_max_logprob_diff:
         if cfg.rollout_on_drift == "stop":
             raise UserError(f"step {step}: rollout/logprob_diff={drift:.4g} > rollout_max_logprob_diff="
-                            f"{cfg.rollout_max_logprob_diff}: the sampler's weights no longer match the actor's")
-        # regenerate: re-send the weights to the engine, and sample this step on-policy with the actor
-        with timed(times, "sync"):
-            engine.wake_up(["weights"])
-            engine.load_weights(actor_weights(run.actor, run.ds, cfg.rollout_sync_bucket_mb))
-            engine.wake_up(["kv_cache"])
+                            f"{cfg.rollout_max_logprob_diff}: the sampler's weights no longer match the actor's (set "
+                            f"rollout_on_drift=regenerate or raise rollout_max_logprob_diff, and resume with the same "
+                            f"command and that change)")
+        # regenerate: sample this step on-policy with the actor while vLLM sleeps (on a GPU its
+        # memory stays free for the hf engine and the update); phase 6 re-sends every weight anyway
         if accelerator.is_main_process:
             print(f"warning: step {step}: rollout/logprob_diff={drift:.4g} > rollout_max_logprob_diff="
-                  f"{cfg.rollout_max_logprob_diff}: weights re-sent, step regenerated with the hf engine",
-                  file=sys.stderr, flush=True)
+                  f"{cfg.rollout_max_logprob_diff}: step regenerated with the hf engine, weights re-sent after "
+                  "the update", file=sys.stderr, flush=True)
         data, regenerated = collect(run, idx, hf_engine(run), temperature, times), True
     batch, scores, truncated, mask = data.batch, data.scores, data.truncated, data.batch["response_mask"]
     nonfinite, valid, token_scores, is_stats = data.nonfinite, ~data.nonfinite, data.token_scores, data.is_stats

@@ -130,9 +130,9 @@ def test_partial_and_corrupted_checkpoints_are_skipped_with_a_warning(tmp_path, 
 def test_checkpoint_from_a_different_config_is_refused_naming_the_keys(tmp_path, reference_dir):
     out = tmp_path / "out"
     shutil.copytree(reference_dir, out)
-    proc = run(tmp_path, out, "--actor_lr=0.5", "--clip_ratio=0.3")
+    proc = run(tmp_path, out, "--critic_lr=0.5", "--clip_ratio=0.3")   # actor_lr may change: a guard's advice
     assert proc.returncode != 0
-    assert "actor_lr" in proc.stderr and "clip_ratio" in proc.stderr and "--resume=never" in proc.stderr
+    assert "critic_lr" in proc.stderr and "clip_ratio" in proc.stderr and "--resume=never" in proc.stderr
     assert [r["step"] for r in records(out)] == list(range(7))   # nothing lost
 
 
@@ -245,27 +245,3 @@ def test_vllm_resume_samples_what_the_uninterrupted_run_samples(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout
     assert comparable(records(tmp_path / "part")) == comparable(records(tmp_path / "full"))
-
-
-@pytest.mark.slow
-def test_entropy_floor_reacts_undoes_and_resumes_in_the_same_state(tmp_path):
-    """A forced collapse: the demo's entropy (about 0.6 at temperature 1) is under entropy_floor=1,
-    so the next step samples at the reaction's temperature 3, where it is well above
-    entropy_recover=1.5, so the step after is back at 1: on, off, on, off. A run stopped after
-    step 3 (reaction on) and resumed must carry on in that state, exactly like the whole run."""
-    react = ["--entropy_floor=1.0", "--entropy_floor_temperature=3.0", "--entropy_floor_coeff=0.01",
-             "--entropy_recover=1.5", "--test_freq=-1", "--val_before_train=false"]
-    whole = run(tmp_path, tmp_path / "whole", *react, "--total_training_steps=4")
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    logged = records(tmp_path / "whole")
-    assert [r["guard/temperature"] for r in logged] == [1.0, 3.0, 1.0, 3.0]
-    assert [r["guard/entropy_coeff"] for r in logged] == [0.0, 0.01, 0.0, 0.01]
-    assert [r["guard/entropy_reaction"] for r in logged] == [0.0, 1.0, 0.0, 1.0]
-    assert whole.stderr.count("< entropy_floor") == 2 and whole.stderr.count("> entropy_recover") == 2
-
-    out = tmp_path / "split"
-    first = run(tmp_path, out, *react, "--total_training_steps=3")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = run(tmp_path, out, *react, "--total_training_steps=4")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert comparable(records(out)) == comparable(logged)
