@@ -50,9 +50,11 @@ def _class_for(base_model_class):
 
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
             kwargs.pop("logits_to_keep", None)   # every position is read
-            hidden = getattr(self, self.base_model_prefix)(input_ids=input_ids, attention_mask=attention_mask,
-                                                           position_ids=position_ids, **kwargs).last_hidden_state
-            return TokenClassifierOutput(logits=getattr(self, HEAD)(hidden))   # [B, T, 1]
+            out = getattr(self, self.base_model_prefix)(input_ids=input_ids, attention_mask=attention_mask,
+                                                        position_ids=position_ids, **kwargs)
+            # hidden states passed on: packing.unpackable probes any model through them
+            return TokenClassifierOutput(logits=getattr(self, HEAD)(out.last_hidden_state),   # [B, T, 1]
+                                         hidden_states=out.hidden_states)
 
     ValueModel.__name__ = ValueModel.__qualname__ = f"{base_model_class.__name__}WithValueHead"
     return ValueModel
