@@ -1149,6 +1149,18 @@ def forward_in_micro_batches(fn, batch: dict, size: int, max_tokens: int = 0, ag
 REFUSED: dict[str, str] = {
     "rwkv": "its recurrent state runs through the left padding of a batch (RWKV takes no attention mask) and "
             "through the neighbours of a packed row, so neither layout gives its per-sequence log-probs",
+    "xlstm": "its recurrent state runs through the left padding of a batch: the conformance suite finds its "
+             "log-probs 1.3 nats from its own per-sequence forward",
+    "recurrent_gemma": "its recurrent block's state runs through padding: the conformance suite finds its gradients "
+                       "differ from its own per-sequence forward",
+    "cpmant": "the conformance suite finds its log-probs up to 7.9 nats from its own per-sequence forward (its "
+              "position bias and segment inputs are not yet mapped)",
+    "deepseek_v4": "the conformance suite finds its log-probs up to 0.09 nats from its own per-sequence forward "
+                   "(not yet diagnosed)",
+    "trocr": "the text decoder of an image-to-text model; its tiny model fails in the conformance suite (a shape "
+             "mismatch in its forward as loaded here, not yet diagnosed)",
+    "hy_v4": "the conformance suite finds its log-probs up to 0.005 nats from its own per-sequence forward "
+             "(not yet diagnosed)",
 }
 
 
@@ -1297,7 +1309,7 @@ def _check_fits_model(cfg: Config, key: str, config, vocab: int) -> None:
     its own max_model_len, and models with learned positions fail inside the forward pass."""
     positions = getattr(config, "max_position_embeddings", None)
     length = cfg.max_prompt_length + cfg.max_response_length
-    if isinstance(positions, int) and length > positions:
+    if isinstance(positions, int) and 0 < positions < length:   # -1: no limit (XLNet)
         raise UserError(f"max_prompt_length + max_response_length = {cfg.max_prompt_length} + "
                         f"{cfg.max_response_length} = {length} > max_position_embeddings={positions} of {key} "
                         f"{getattr(cfg, key)} (config.json): lower max_response_length or max_prompt_length")
