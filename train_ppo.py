@@ -1230,6 +1230,11 @@ def load_models(cfg: Config):
                         _note(f"remove_padding: {type(model).__name__} runs padded micro-batches: {verdicts[kind]}")
                 if verdicts[kind]:
                     model.set_attn_implementation("sdpa")
+    for model in (actor, critic, ref, reward_model):
+        # Transformers' SDPA drops attention soft-capping (Gemma 2): eager keeps it where the padded path runs on SDPA
+        capped = model is not None and getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+        if capped and model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation("eager")
     for model in (actor, ref):
         if model is not None:
             transform, why = head_transform(model)
