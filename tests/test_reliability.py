@@ -325,7 +325,8 @@ def test_zero3_vllm_failing_on_one_rank_falls_back_on_every_rank(tmp_path):
     assert [r["step"] for r in logged] == [1, 2]
     for r in logged:
         assert all(math.isfinite(v) for v in r.values())
-        assert r["rollout/logprob_diff"] == 0.0   # the actor sampled on both ranks: vLLM's would differ by rounding
+        # the hf engine reports its own sampler's log-probs: generation's and training's forward round apart
+        assert r["rollout/logprob_diff"] < 1e-5
     assert "rollout engine hf" in proc.stdout   # rank 0's engine, in the header it prints
     assert "vLLM did not start, generating with the hf engine" in proc.stderr   # rank 1
     assert "rank 0: vLLM started here but not on every rank" in proc.stderr
