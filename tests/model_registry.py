@@ -11,6 +11,7 @@ bite: sliding windows of a few tokens, strong soft-caps, non-trivial logit and a
 every kind of layer of an alternating family (local/global, attention/recurrent), MoE routing.
 Building all of them takes seconds, so tests may walk the whole registry in the default run.
 """
+from collections.abc import Mapping
 import functools
 import json
 from pathlib import Path
@@ -113,47 +114,24 @@ def skipped() -> dict:
     return dict(_walk()[1])
 
 
-class _Skipped(dict):
-    """SKIPPED as a lazily-filled dict, so importing this module builds nothing."""
-
-    def _fill(self):
-        if not dict.__len__(self):
-            dict.update(self, _walk()[1])
+class _Skipped(Mapping):
+    """SKIPPED as a lazily-filled mapping, so importing this module builds nothing (Mapping derives
+    keys, items, values and `in` from these three)."""
 
     def __getitem__(self, k):
-        self._fill()
-        return dict.__getitem__(self, k)
+        return _walk()[1][k]
 
     def __iter__(self):
-        self._fill()
-        return dict.__iter__(self)
+        return iter(_walk()[1])
 
     def __len__(self):
-        self._fill()
-        return dict.__len__(self)
-
-    def __contains__(self, k):
-        self._fill()
-        return dict.__contains__(self, k)
-
-    def items(self):
-        self._fill()
-        return dict.items(self)
-
-    def keys(self):
-        self._fill()
-        return dict.keys(self)
-
-    def values(self):
-        self._fill()
-        return dict.values(self)
+        return len(_walk()[1])
 
     def __repr__(self):
-        self._fill()
-        return dict.__repr__(self)
+        return repr(_walk()[1])
 
 
-SKIPPED: dict = _Skipped()
+SKIPPED: Mapping = _Skipped()
 
 
 def _layer_kinds(values) -> list:
