@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,3 +84,9 @@ def ui_command(uri: str) -> str:
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         uri = "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
     return f"mlflow ui --backend-store-uri {uri}"
+
+
+def note(line: str) -> None:
+    """One line on stderr, from the main process only (every rank decides the same)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {line}", file=sys.stderr, flush=True)

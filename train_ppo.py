@@ -983,12 +983,6 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     return logprob, entropy, truncated
 
 
-def _note(line: str) -> None:
-    """One line on stderr, from the main process only (every rank decides the same)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"note: {line}", file=sys.stderr, flush=True)
-
-
 @torch.no_grad()
 def head_transform(model):
     """-> ((scale, softcap), None) when head_logprobs, fed the LM head's input with that scale and
@@ -1231,7 +1225,7 @@ def load_models(cfg: Config):
                 if kind not in verdicts and not partitioned:
                     verdicts[kind] = packing.unpackable(model, atol=1e-3 if model.dtype == torch.float32 else 3e-2)
                     if verdicts[kind]:
-                        _note(f"remove_padding: {type(model).__name__} runs padded micro-batches: {verdicts[kind]}")
+                        console.note(f"remove_padding: {type(model).__name__} runs padded micro-batches: {verdicts[kind]}")
                 if verdicts.get(kind):
                     model.set_attn_implementation("sdpa")
     for model in (actor, critic, ref, reward_model):
@@ -1244,7 +1238,7 @@ def load_models(cfg: Config):
             transform, why = head_transform(model)
             _unwrap(model).head_transform = transform
             if why and model is actor:
-                _note(f"the chunked LM head is off for {type(_unwrap(model)).__name__}: {why}")
+                console.note(f"the chunked LM head is off for {type(_unwrap(model)).__name__}: {why}")
     for model, on in ((actor, cfg.gradient_checkpointing), (critic, critic_checkpointing(cfg))):
         if model is not None and on:   # armed here, active only inside recompute_activations()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
