@@ -79,7 +79,8 @@ def _evaluate(node: ast.AST) -> int | float:
         return value
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitXor):
         raise ToolError("'^' is not a power here: use **")
-    raise ToolError(f"{type(node).__name__} is not allowed: only numbers, + - * / // % ** and parentheses")
+    what = type(node.op if isinstance(node, (ast.BinOp, ast.UnaryOp)) else node).__name__
+    raise ToolError(f"{what} is not allowed: only numbers, + - * / // % ** and parentheses")
 
 
 def _check_int(value) -> None:
