@@ -450,3 +450,98 @@ def test_loop_filler_passes_keep_ranks_in_step(tokenizer, calc_tools):
                                    any_active=lambda local: local or next(others))
     assert t.stop_reason == "done" and len(engine.calls) == 4
     assert all(len(p) == 1 and len(p[0]) == 1 and params.max_tokens == 1 for p, params in engine.calls[1:])
+
+
+# --- the loop through the real hf engine on a tiny Qwen2 --------------------------------------------
+
+MEMORISED = [("What is 6*7?", [call_text("calculator", {"expression": "6*7"}), "It is 42."]),
+             ("Say hi.", ["hi"])]
+
+
+@pytest.fixture(scope="module")
+def memorised(tokenizer, calc_tools):
+    """A tiny Qwen2 trained until it reproduces MEMORISED's assistant turns (every model token at
+    probability > 0.9), and each conversation's token ids as the template renders them."""
+    chat = ChatFormat(tokenizer, calc_tools.schemas)
+    rows = []
+    for question, turns in MEMORISED:
+        messages = [{"role": "user", "content": question}]
+        ids, model = chat.prompt_ids(messages), []
+        for k, reply in enumerate(turns):
+            reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            model += range(len(ids), len(ids) + len(reply_ids))
+            ids += reply_ids
+            messages.append({"role": "assistant", "content": reply})
+            if k < len(turns) - 1:
+                texts = [calc_tools.run(c).text for c in parse_tool_calls(reply)]
+                ids += chat.observation_ids(messages, texts)
+                messages += [{"role": "tool", "content": t} for t in texts]
+        rows.append((len(chat.prompt_ids(messages[:1])), ids, model))
+    config = Qwen2Config(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    width = max(len(ids) for _, ids, _ in rows)
+    x = torch.full((len(rows), width), tokenizer.pad_token_id)                       # [B, L]
+    labels, attention = torch.full_like(x, -100), torch.zeros_like(x)                # [B, L]
+    for r, (_, ids, positions) in enumerate(rows):
+        x[r, :len(ids)], attention[r, :len(ids)] = torch.tensor(ids), 1
+        labels[r, positions] = x[r, positions]                                       # loss on model tokens only
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # tiny matrices: one thread is faster than contending for a shared CPU
+    try:
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        for _ in range(600):
+            out = model(input_ids=x, attention_mask=attention, labels=labels)
+            logp = torch.log_softmax(out.logits[:, :-1].detach(), -1).gather(-1, x[:, 1:, None])[..., 0]   # [B, L-1]
+            if logp[labels[:, 1:] != -100].min().exp() > 0.9:
+                break
+            optimizer.zero_grad()
+            out.loss.backward()
+            optimizer.step()
+        else:
+            pytest.fail("the tiny model did not memorise the conversations")
+    finally:
+        torch.set_num_threads(threads)
+    return chat, model.eval(), rows
+
+
+def hf_run(memorised, calc_tools, **limits):
+    from rollout.hf import HFEngine
+    chat, model, _ = memorised
+    engine = HFEngine(model, chat.tokenizer.eos_token_id, chat.tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    # temperature 0.1 sharpens p > 0.9 into a certainty; sampled (not greedy) so log-probs come back
+    return run_multiturn(engine, chat, [[{"role": "user", "content": q}] for q, _ in MEMORISED],
+                         [ToolEnvironment(calc_tools) for _ in MEMORISED], SamplingParams(temperature=0.1),
+                         **{"max_response_length": 1000, "max_turns": 4, **limits})
+
+
+@pytest.mark.slow
+def test_hf_engine_trajectory_is_the_templates_rendering(memorised, calc_tools):
+    trajectories = hf_run(memorised, calc_tools)
+    for t, (prompt_len, ids, model_positions) in zip(trajectories, memorised[2]):
+        assert t.prompt_ids == ids[:prompt_len]
+        assert t.prompt_ids + t.response_ids == ids              # tool tokens exactly as the template renders them
+        assert [i + prompt_len for i, m in enumerate(t.mask) if m] == model_positions
+        assert len(t.logprobs) == len(t.mask) == len(t.response_ids)
+        assert all(math.isfinite(lp) and (lp <= 0 if m else lp == 0.0) for lp, m in zip(t.logprobs, t.mask))
+        assert t.stop_reason == "done"
+    assert [(t.turns, t.tool_calls, t.tool_errors) for t in trajectories] == [(2, 1, 0), (1, 0, 0)]
+    assert "<tool_response>\n42\n</tool_response>" in memorised[0].tokenizer.decode(trajectories[0].response_ids)
+
+
+@pytest.mark.slow
+def test_hf_engine_budget_and_turn_limits(memorised, calc_tools):
+    prompt_len, ids, model_positions = memorised[2][0]
+    first_turn = next(i for i, (a, b) in enumerate(zip(model_positions, model_positions[1:])) if b != a + 1) + 1
+    budget = first_turn + 4                                   # cut four tokens into the observation
+    cut = hf_run(memorised, calc_tools, max_response_length=budget)
+    assert len(cut[0].response_ids) == len(cut[0].mask) == len(cut[0].logprobs) == budget
+    assert cut[0].prompt_ids + cut[0].response_ids == ids[:prompt_len + budget]
+    assert cut[0].mask == [1] * first_turn + [0] * 4 and cut[0].stop_reason == "length"
+    assert cut[1].stop_reason == "done"                       # the short one is untouched
+    one_turn = hf_run(memorised, calc_tools, max_turns=1)
+    assert (one_turn[0].turns, one_turn[0].stop_reason, len(one_turn[0].response_ids)) == (1, "max_turns", first_turn)
