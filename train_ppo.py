@@ -33,8 +33,6 @@ from config import Config, HERE, _split_files, config_warnings, critic_checkpoin
 from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_reinforce_pp_advantages,
                         compute_reinforce_pp_baseline_advantages, compute_rloo_advantages, explained_variance,
                         kl_in_reward, masked_mean, policy_loss, rollout_is_weights, value_loss)
-from prompts.sets import PromptSet, load_prompts, load_sft
-from prompts.streams import PromptStream, SFTStream, sft_batch_size
 from distribution import plugins as distributed
 from distribution.plugins import gathered_params, param_share
 from distribution.prepare import check_world_size, make_accelerator, prepare_models
@@ -51,6 +49,8 @@ from plumbing.dry_run import dry_run
 from plumbing.guards import Guards, rescale_lr, resumed_lr_scale
 from plumbing.host_memory import peak_memory_gb
 from plumbing.tracking import Tracker, run_tags
+from prompts.sets import PromptSet, load_prompts, load_sft
+from prompts.streams import PromptStream, SFTStream, sft_batch_size
 from rewards.scoring import Scorer, place_scores, shape_scores
 from rollout import SamplingParams
 from rollout.engines import make_engine

@@ -15,8 +15,7 @@ from errors import UserError, first_line
 from forward import packing
 from forward.readouts import _unwrap, head_transform
 from modeling import value_models
-from plumbing import console
-from plumbing import lean_imports
+from plumbing import console, lean_imports
 
 
 # model type -> why no path here computes its log-probs right yet; load_models refuses these by name

@@ -8,13 +8,12 @@ import importlib
 import os
 
 from config import Config, critic_checkpointing, schedule
-from prompts.sets import load_prompts, load_sft
 from distribution import plugins as distributed
 from distribution.prepare import check_world_size
 from errors import UserError
 from modeling.loading import _load, load_tokenizer
-from plumbing import console
-from plumbing import preflight
+from plumbing import console, preflight
+from prompts.sets import load_prompts, load_sft
 from rewards.scoring import Scorer
 
 

@@ -13,10 +13,10 @@ import torch
 
 from config import Config
 from core_algos import overlong_penalty
-from prompts.sets import PromptSet
 from errors import UserError, first_line
 from forward.batch import forward_in_micro_batches
 from forward.readouts import reward_model_scores
+from prompts.sets import PromptSet
 
 ROOT = Path(__file__).resolve().parents[1]
 
