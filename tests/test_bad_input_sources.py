@@ -262,7 +262,7 @@ def test_launch_with_a_deepspeed_config_file_missing_from_the_working_directory(
     lines = error_lines(proc)
     assert len(lines) == 2, proc.stderr[-3000:]   # one per rank
     assert all("deepspeed_config_file ds_configs/zero3.json does not exist" in ln for ln in lines)
-    assert 'train_ppo.py", line' not in proc.stderr and 'distributed.py", line' not in proc.stderr
+    assert 'train_ppo.py", line' not in proc.stderr and 'plugins.py", line' not in proc.stderr
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
