@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from head_logprobs import sampling_support
+from forward.head_logprobs import sampling_support
 from rollout import RolloutOutput, SamplingParams, cut_at_eos
 
 

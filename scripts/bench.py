@@ -47,7 +47,7 @@ PEER_PHASES = ("gen", "score", "forward", "update", "other")
 # What each side's process imports in a single-process run (train_ppo.py imports most of its stack lazily).
 _MODELS = ("from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer; "
            "import transformers.models.qwen2.modeling_qwen2; ")
-OURS_IMPORTS = ("import train_ppo, lean_imports; lean_imports.skip_unused(); "   # as train_ppo's setup() does
+OURS_IMPORTS = ("import train_ppo; from plumbing import lean_imports; lean_imports.skip_unused(); "   # as train_ppo's setup() does
                 "import yaml, pandas, mlflow, tqdm, accelerate; " + _MODELS + "import rollout.hf")
 PEER_IMPORTS = ("import torch, yaml, pandas, datasets, accelerate; " + _MODELS +
                 "from trl.experimental.ppo import PPOConfig, PPOTrainer")

@@ -1,4 +1,4 @@
-"""Rewrite the README's generated tables: the config reference (from train_ppo.py's Config, the
+"""Rewrite the README's generated tables: the config reference (from config.py's Config, the
 source of --help too), verl's keys (from scripts/verl_to_config.py's own mapping) and TRL's
 PPOConfig fields (from TRL_FIELDS below), so none of them can drift from the code.
 
@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import config_docs  # noqa: E402
-import train_ppo  # noqa: E402
+import config  # noqa: E402
+from plumbing import config_docs  # noqa: E402
 import verl_to_config as v2c  # noqa: E402
 
 # TRL 1.x PPOConfig (and the TrainingArguments it inherits) -> (this toolkit's key, how). An empty
@@ -62,13 +62,13 @@ TRL_FIELDS = {
 
 
 def config_table() -> str:
-    """The config reference: every key of train_ppo.Config by section, as --help lists them."""
+    """The config reference: every key of config.Config by section, as --help lists them."""
     out = []
-    for section, fields in config_docs.sections(train_ppo.Config):
+    for section, fields in config_docs.sections(config.Config):
         out += [f"**{section}**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for f in fields:
             text = f.metadata["help"].replace("|", "\\|")
-            out.append(f"| `{f.name}` | {config_docs.key_type(train_ppo.Config, f).replace('|', 'or')} | `{config_docs.key_default(f)}` | {text} |")
+            out.append(f"| `{f.name}` | {config_docs.key_type(config.Config, f).replace('|', 'or')} | `{config_docs.key_default(f)}` | {text} |")
         out.append("")
     return "\n".join(out)
 

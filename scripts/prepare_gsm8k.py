@@ -24,7 +24,8 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train_ppo  # noqa: E402  (its read_table: one reader of parquet/jsonl files)
+from errors import UserError  # noqa: E402
+from prompts import sets  # noqa: E402  (its read_table: one reader of parquet/jsonl files)
 from rewards.gsm8k import extract_answer  # noqa: E402  (one definition of "the number after ####")
 
 # verl's examples/data_preprocess/gsm8k.py uses this exact instruction, so results compare.
@@ -35,8 +36,8 @@ COLUMNS = ("question", "answer")
 def read_table(path: str) -> pd.DataFrame:
     """One GSM8K file as a DataFrame; any problem names the file."""
     try:
-        frame = train_ppo.read_table(path)
-    except train_ppo.UserError as e:
+        frame = sets.read_table(path)
+    except UserError as e:
         raise SystemExit(f"error: {e}") from None
     for column in COLUMNS:
         if column not in frame.columns:

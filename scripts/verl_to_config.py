@@ -27,7 +27,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train_ppo  # noqa: E402  (the Config this translates to)
+import config  # noqa: E402  (the Config this translates to)
+from errors import UserError  # noqa: E402
 
 
 class NotCarried(Exception):
@@ -89,7 +90,7 @@ def _greedy_validation(value):
 
 
 # ---- the mapping: verl key -> toolkit key, or (toolkit key, converter) ---------------------------
-# Targets that train_ppo.Config may not have yet (use_dynamic_bsz, lora_*, overlong_*, ...) are the
+# Targets that config.Config may not have yet (use_dynamic_bsz, lora_*, overlong_*, ...) are the
 # names the design and issues give them; until the toolkit has them, they are reported as not carried.
 A, R = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
 MAPPING = {
@@ -388,8 +389,8 @@ class Translation:
 
 
 def translate(flat: dict) -> Translation:
-    """Map resolved verl settings {dotted key: value} onto train_ppo.Config's keys."""
-    hints = typing.get_type_hints(train_ppo.Config)
+    """Map resolved verl settings {dotted key: value} onto config.Config's keys."""
+    hints = typing.get_type_hints(config.Config)
     out = Translation({}, [], [])
     gates = set(GATES.values())
     # Mapped keys go in MAPPING's order: where two verl keys set one toolkit key, the first listed is the
@@ -489,8 +490,8 @@ def _carry(key: str, value, flat: dict, hints: dict):
     if isinstance(value, (list, dict)):
         raise NotCarried(f"{target} takes one value, not a {type(value).__name__}")
     try:
-        return target, train_ppo._coerce(target, value)
-    except train_ppo.UserError as e:
+        return target, config._coerce(target, value)
+    except UserError as e:
         raise NotCarried(str(e)) from None
 
 
@@ -509,7 +510,7 @@ def _epochs_to_steps(flat: dict, out: Translation) -> None:
         return
     batch, files = out.carried["train_batch_size"][0], out.carried["train_files"][0]
     try:
-        rows = sum(_count_rows(p) for p in train_ppo._split_files(files))
+        rows = sum(_count_rows(p) for p in config._split_files(files))
     except (OSError, ValueError) as e:
         out.not_carried.append((key, epochs, f"cannot count the training rows ({e}); set total_training_steps "
                                              f"= total_epochs x (rows // train_batch_size)"))
@@ -540,7 +541,7 @@ def _show(value) -> str:
 
 
 def to_yaml(t: Translation, sources: str) -> str:
-    order = [f.name for f in dataclasses.fields(train_ppo.Config)]
+    order = [f.name for f in dataclasses.fields(config.Config)]
     lines = [f"# Translated from verl ({sources}) by scripts/verl_to_config.py.",
              "# Keys not written here take this toolkit's defaults (python train_ppo.py --help), not verl's."]
     for name in sorted(t.carried, key=order.index):
@@ -584,8 +585,8 @@ def main(argv=None):
         sys.stdout.write(text)
     print(report(t), file=sys.stderr)
     try:
-        train_ppo.validate_config(train_ppo.Config(**{name: value for name, (value, *_) in t.carried.items()}))
-    except train_ppo.UserError as e:
+        config.validate_config(config.Config(**{name: value for name, (value, *_) in t.carried.items()}))
+    except UserError as e:
         print(f"note: the result does not run as it is yet: {e}", file=sys.stderr)
     if args.out:
         print(f"wrote {args.out}", file=sys.stderr)

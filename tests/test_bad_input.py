@@ -9,9 +9,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import distributed
+from distribution import plugins as distributed
 import train_ppo
-from train_ppo import UserError, load_config, load_prompts, read_table
+import config
+from modeling import loading
+from config import load_config
+from errors import UserError
+from prompts.sets import load_prompts, read_table
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "examples" / "demo_model"
@@ -77,8 +81,8 @@ def test_model_directory_that_cannot_be_loaded_names_the_key(tmp_path):
     broken = tmp_path / "broken_model"
     broken.mkdir()
     (broken / "config.json").write_text("{ not json")
-    cfg = train_ppo.Config(model_path=str(broken))
-    text = message(lambda: train_ppo.load_models(cfg))
+    cfg = config.Config(model_path=str(broken))
+    text = message(lambda: loading.load_models(cfg))
     assert "model_path" in text and str(broken) in text
 
 
@@ -86,8 +90,8 @@ def test_reward_model_directory_without_weights_names_the_key(tmp_path):
     empty = tmp_path / "rm"
     empty.mkdir()
     (empty / "config.json").write_text((DEMO_MODEL / "config.json").read_text())
-    cfg = train_ppo.Config(reward_model_path=str(empty), adv_estimator="grpo", use_kl_in_reward=False)
-    text = message(lambda: train_ppo.load_models(cfg))
+    cfg = config.Config(reward_model_path=str(empty), adv_estimator="grpo", use_kl_in_reward=False)
+    text = message(lambda: loading.load_models(cfg))
     assert "reward_model_path" in text and str(empty) in text
 
 
@@ -145,11 +149,11 @@ def test_deepspeed_settings_that_would_apply_a_nan_update_are_refused(conf, name
 def test_grpo_with_kl_in_the_reward_is_warned_about():
     """GRPO divides by each group's std: with KL in the reward, tied verifier scores become
     advantages of KL noise. The combination runs (verl allows it) but is named at start."""
-    notes = train_ppo.config_warnings(train_ppo.Config(adv_estimator="grpo"))
+    notes = config.config_warnings(config.Config(adv_estimator="grpo"))
     assert len(notes) == 1 and "use_kl_in_reward" in notes[0] and "configs/demo_grpo.yaml" in notes[0]
-    assert train_ppo.config_warnings(train_ppo.Config(adv_estimator="grpo", use_kl_in_reward=False)) == []
-    assert train_ppo.config_warnings(train_ppo.Config(adv_estimator="grpo", norm_adv_by_std_in_grpo=False)) == []
-    assert train_ppo.config_warnings(load_config(["--config", str(Path(train_ppo.__file__).parent /
+    assert config.config_warnings(config.Config(adv_estimator="grpo", use_kl_in_reward=False)) == []
+    assert config.config_warnings(config.Config(adv_estimator="grpo", norm_adv_by_std_in_grpo=False)) == []
+    assert config.config_warnings(load_config(["--config", str(Path(train_ppo.__file__).parent /
                                                                   "configs/demo_grpo.yaml")])) == []
 
 
@@ -170,8 +174,8 @@ def test_warmup_as_a_ratio_of_the_run():
     """lr_warmup_steps_ratio=0.3 over 10 steps warms up like lr_warmup_steps=3."""
     import torch
     model = torch.nn.Linear(2, 2)
-    ratio = train_ppo.make_optimizer(model, 1.0, train_ppo.Config(lr_warmup_steps_ratio=0.3, total_training_steps=10))[1]
-    steps = train_ppo.make_optimizer(model, 1.0, train_ppo.Config(lr_warmup_steps=3, total_training_steps=10))[1]
-    plain = train_ppo.make_optimizer(model, 1.0, train_ppo.Config(total_training_steps=10))[1]
+    ratio = loading.make_optimizer(model, 1.0, config.Config(lr_warmup_steps_ratio=0.3, total_training_steps=10))[1]
+    steps = loading.make_optimizer(model, 1.0, config.Config(lr_warmup_steps=3, total_training_steps=10))[1]
+    plain = loading.make_optimizer(model, 1.0, config.Config(total_training_steps=10))[1]
     factors = [[s.lr_lambdas[0](i) for i in range(5)] for s in (ratio, steps, plain)]
     assert factors[0] == factors[1] and factors[0] != factors[2]

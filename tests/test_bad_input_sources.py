@@ -14,9 +14,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import distributed
-import train_ppo
-from train_ppo import UserError, load_config, load_prompts
+from distribution import plugins as distributed
+import config
+from modeling import loading
+from rewards import scoring
+from config import load_config
+from errors import UserError
+from prompts.sets import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "examples" / "demo_model"
@@ -30,9 +34,9 @@ def message(call) -> str:
     return text
 
 
-def small(**kw) -> train_ppo.Config:
+def small(**kw) -> config.Config:
     """Only the actor loads: no critic (grpo), no reference (no KL)."""
-    return train_ppo.Config(**{"adv_estimator": "grpo", "use_kl_in_reward": False, **kw})
+    return config.Config(**{"adv_estimator": "grpo", "use_kl_in_reward": False, **kw})
 
 
 def copy_model(tmp_path, *names) -> Path:
@@ -48,7 +52,7 @@ def test_model_directory_without_tokenizer_files_is_named_not_the_prompts(tmp_pa
     """transformers builds an empty tokenizer from config.json's model type, which turned every
     prompt into no tokens: the run reported 'row 0 has an empty prompt'."""
     model = copy_model(tmp_path, "config.json", "model.safetensors", "generation_config.json")
-    text = message(lambda: train_ppo.load_models(small(model_path=str(model))))
+    text = message(lambda: loading.load_models(small(model_path=str(model))))
     assert "model_path" in text and str(model) in text and "tokenizer" in text
 
 
@@ -79,7 +83,7 @@ def tiny_llama(out: Path, vocab_size: int = 64, eos: bool = True) -> Path:
 def test_tokenizer_without_eos_or_pad_is_refused_at_load(tmp_path):
     """It used to load, then fail inside the first step (torch.full with a None pad id)."""
     model = tiny_llama(tmp_path / "m", eos=False)
-    text = message(lambda: train_ppo.load_models(small(model_path=str(model))))
+    text = message(lambda: loading.load_models(small(model_path=str(model))))
     assert "model_path" in text and str(model) in text and "EOS" in text
 
 
@@ -92,36 +96,36 @@ def test_tokenizer_whose_class_supplies_another_eos_is_warned_about(tmp_path, ca
     conf = json.loads((model / "tokenizer_config.json").read_text())
     conf.pop("eos_token"), conf.pop("pad_token")
     (model / "tokenizer_config.json").write_text(json.dumps(conf))
-    train_ppo.load_models(small(model_path=str(model)))
+    loading.load_models(small(model_path=str(model)))
     notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning: model_path")]
     assert len(notes) == 1 and "eos_token_id=[2]" in notes[0] and "tokenizer_config.json" in notes[0]
-    train_ppo.load_models(small())   # the demo's tokenizer and model agree: no note
+    loading.load_models(small())   # the demo's tokenizer and model agree: no note
     assert "warning: model_path" not in capsys.readouterr().err
 
 
 def test_tokenizer_larger_than_the_embedding_is_refused(tmp_path):
     """48 tokens into 40 embedding rows: an index error inside the first forward pass otherwise."""
     model = tiny_llama(tmp_path / "m", vocab_size=40)
-    text = message(lambda: train_ppo.load_models(small(model_path=str(model))))
+    text = message(lambda: loading.load_models(small(model_path=str(model))))
     assert "vocab_size=40" in text and "48" in text and str(model) in text
 
 
 def test_sequence_longer_than_the_model_positions_names_the_keys():
     """vLLM refused it naming only its own max_model_len; the demo model has 64 positions."""
-    text = message(lambda: train_ppo.load_models(small(max_prompt_length=16, max_response_length=60)))
+    text = message(lambda: loading.load_models(small(max_prompt_length=16, max_response_length=60)))
     assert "max_prompt_length" in text and "max_response_length" in text and "max_position_embeddings=64" in text
-    train_ppo.load_models(small(max_prompt_length=16, max_response_length=48))   # 64 fits
+    loading.load_models(small(max_prompt_length=16, max_response_length=48))   # 64 fits
 
 
 # ---- PEFT --------------------------------------------------------------------------------------
 def test_lora_target_that_matches_nothing_is_named_even_beside_one_that_does():
     """PEFT silently drops a listed name that matches no module when another name matches."""
-    text = message(lambda: train_ppo.load_models(small(lora_rank=4, lora_target_modules="q_proj,qproj")))
+    text = message(lambda: loading.load_models(small(lora_rank=4, lora_target_modules="q_proj,qproj")))
     assert "lora_target_modules" in text and "qproj" in text and "q_proj" in text   # names the valid ones too
 
 
 def test_lora_on_a_module_peft_cannot_wrap_names_the_key():
-    text = message(lambda: train_ppo.load_models(small(lora_rank=4, lora_target_modules="norm")))
+    text = message(lambda: loading.load_models(small(lora_rank=4, lora_target_modules="norm")))
     assert "lora_target_modules=norm" in text and str(DEMO_MODEL) in text
 
 
@@ -141,7 +145,7 @@ def test_reward_module_problems_are_one_line_naming_reward_fn(tmp_path, monkeypa
     module = f"user_reward_{case}_{uuid.uuid4().hex[:8]}"   # a fresh name: no cached import
     (tmp_path / f"{module}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
-    text = message(lambda: train_ppo.load_reward_fn(f"{module}:score"))
+    text = message(lambda: scoring.load_reward_fn(f"{module}:score"))
     assert f"reward_fn '{module}:score'" in text
     for part in named:
         assert part in text
@@ -150,14 +154,14 @@ def test_reward_module_problems_are_one_line_naming_reward_fn(tmp_path, monkeypa
 
 
 def test_reward_module_in_a_package_that_does_not_exist():
-    text = message(lambda: train_ppo.load_reward_fn("no_such_package_xyz.scores:compute"))
+    text = message(lambda: scoring.load_reward_fn("no_such_package_xyz.scores:compute"))
     assert "no_such_package_xyz" in text and "PYTHONPATH" in text
 
 
 def test_reward_functions_of_the_repository_still_load():
     from rewards import arithmetic, gsm8k
-    assert train_ppo.load_reward_fn("rewards.arithmetic:compute_score") is arithmetic.compute_score
-    assert train_ppo.load_reward_fn("rewards.gsm8k:compute_score") is gsm8k.compute_score
+    assert scoring.load_reward_fn("rewards.arithmetic:compute_score") is arithmetic.compute_score
+    assert scoring.load_reward_fn("rewards.gsm8k:compute_score") is gsm8k.compute_score
 
 
 # ---- data files and columns --------------------------------------------------------------------
@@ -258,14 +262,14 @@ def test_launch_with_a_deepspeed_config_file_missing_from_the_working_directory(
     lines = error_lines(proc)
     assert len(lines) == 2, proc.stderr[-3000:]   # one per rank
     assert all("deepspeed_config_file ds_configs/zero3.json does not exist" in ln for ln in lines)
-    assert 'train_ppo.py", line' not in proc.stderr and 'distributed.py", line' not in proc.stderr
+    assert 'train_ppo.py", line' not in proc.stderr and 'plugins.py", line' not in proc.stderr
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
 def test_truncated_checkpoint_file_is_named(tmp_path):
     """torch.load's zip reader failed with a RuntimeError traceback."""
     import torch
-    import checkpoints
+    from plumbing import checkpoints
     file = tmp_path / "actor.pt"
     torch.save({"model": torch.nn.Linear(64, 64).state_dict()}, file)
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
@@ -278,7 +282,7 @@ def test_checkpoint_of_another_model_is_named(tmp_path):
     size mismatch named which file does not fit which model."""
     import torch
     from accelerate import Accelerator
-    import checkpoints
+    from plumbing import checkpoints
     model, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)
     optim = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0)

@@ -1,11 +1,11 @@
 """The fast log-prob paths give the model's own numbers, on every decoder family transformers builds.
 
 For each family of tests/model_registry.py (walked from transformers' auto mappings), a tiny random
-model is saved, loaded through train_ppo.load_models as a run loads it (remove_padding on), and
+model is saved, loaded through load_models as a run loads it (remove_padding on), and
 its actor and ref log-probs, entropies and gradients on a micro-batch of skewed prompt/response
 lengths are compared with the model's own Hugging Face forward on each sequence alone (eager
 attention, no padding), at two temperatures, packed and padded. A family the fast paths cannot
-serve is refused at load (train_ppo.REFUSED); the test checks the refusal is one line naming it.
+serve is refused at load (modeling/loading.py's REFUSED); the test checks the refusal is one line naming it.
 """
 import time
 
@@ -13,10 +13,13 @@ import pytest
 import torch
 
 import model_registry
-import packing
-import train_ppo
+from forward import packing
+from modeling import loading
 from errors import UserError
-from train_ppo import Config, load_models, pack_batch, response_logprobs
+from config import Config
+from forward.batch import pack_batch
+from forward.readouts import response_logprobs
+from modeling.loading import load_models
 
 PROMPTS = [[5 + (7 * i) % 200 for i in range(n)] for n in (3, 21, 9, 1)]
 RESPONSES = [[9 + (11 * i) % 200 for i in range(n)] for n in (7, 2, 12, 1)]
@@ -41,7 +44,7 @@ def reference(model, temperature: float):
 
 
 def fast(model, temperature: float):
-    """The same through train_ppo.response_logprobs on the padded micro-batch -> lists of [r]."""
+    """The same through response_logprobs on the padded micro-batch -> lists of [r]."""
     batch = pack_batch(PROMPTS, RESPONSES, pad_id=0)
     logprob, entropy = response_logprobs(model, batch, temperature, with_entropy=True)    # [B, R]
     return ([row[:len(r)] for row, r in zip(logprob, RESPONSES) if r],
@@ -98,11 +101,11 @@ FAST = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text", "cohere", "granite
 def test_actor_and_ref_log_probs_match_the_models_own_forward(model_type, saved, monkeypatch):
     start = time.perf_counter()
     cfg = Config(model_path=str(saved(model_type)), adv_estimator="grpo", use_kl_in_reward=True, remove_padding=True)
-    if model_type in train_ppo.REFUSED:
+    if model_type in loading.REFUSED:
         with pytest.raises(UserError) as refused:
             load_models(cfg)
         message = str(refused.value)
-        assert "\n" not in message and model_type in message and train_ppo.REFUSED[model_type] in message
+        assert "\n" not in message and model_type in message and loading.REFUSED[model_type] in message
         return
     _, actor, _, ref, _ = load_models(cfg)
     twin, ref_twin = eager_twin(actor), eager_twin(ref).requires_grad_(False)
@@ -115,7 +118,7 @@ def test_actor_and_ref_log_probs_match_the_models_own_forward(model_type, saved,
 
 
 def test_a_refused_family_stops_at_load_with_one_line_naming_it(saved, monkeypatch, capsys):
-    monkeypatch.setitem(train_ppo.REFUSED, "llama", "its log-probs are not proven yet")
+    monkeypatch.setitem(loading.REFUSED, "llama", "its log-probs are not proven yet")
     with pytest.raises(UserError) as refused:
         load_models(Config(model_path=str(saved("llama")), adv_estimator="grpo"))
     assert str(refused.value) == "model_path: llama models are not supported: its log-probs are not proven yet"

@@ -132,8 +132,8 @@ def test_other_repository_configs_train(tmp_path, config):
 def skewed_prompts(n: int, batch: int, seed: int, world: int) -> list[str]:
     """Arithmetic prompts ordered so that, in the first batch, rank 0's share is all long prompts
     (spaces the verifier ignores) and the other ranks' all short ones."""
-    import train_ppo
-    order = train_ppo.PromptStream(n, batch, seed).next()
+    from prompts.streams import PromptStream
+    order = PromptStream(n, batch, seed).next()
     rank0 = set(order[:batch // world])
     return [(" " * 26 if i in rank0 else "") + f"{i % 9 + 1}+{i % 7 + 1}=" for i in range(n)]
 

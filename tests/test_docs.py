@@ -4,8 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import config_docs
-import train_ppo
+from plumbing import config_docs
+import config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,16 +19,16 @@ def test_readme_config_reference_is_current():
 def test_help_lists_every_key_once_under_a_section():
     proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
-    names = [f.name for f in dataclasses.fields(train_ppo.Config)]
+    names = [f.name for f in dataclasses.fields(config.Config)]
     listed = [line.split()[0][2:] for line in proc.stdout.splitlines() if line.startswith("  --")]
     assert sorted(listed) == sorted(names)
-    sections = config_docs.sections(train_ppo.Config)
+    sections = config_docs.sections(config.Config)
     assert len(sections) >= 10 and all(fields for _, fields in sections)
 
 
 def test_trl_table_points_at_real_keys_or_says_why_not():
     sys.path.insert(0, str(ROOT / "scripts"))
     import config_reference
-    keys = {f.name for f in dataclasses.fields(train_ppo.Config)}
+    keys = {f.name for f in dataclasses.fields(config.Config)}
     for field, (key, how) in config_reference.TRL_FIELDS.items():
         assert key in keys if key else how, field

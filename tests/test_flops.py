@@ -4,7 +4,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
-import flops
+from plumbing import flops
 
 
 def config(**kw):

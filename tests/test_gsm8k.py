@@ -2,7 +2,7 @@
 
 GSM8K itself cannot be downloaded here, so the tests write a few rows with its schema (question,
 answer ending in "#### <number>", thousands with commas) and check the conversion, the verifier and
-that the config and the converted data load through train_ppo. Expected values are written by hand.
+that the config and the converted data load through the script's own readers. Expected values are written by hand.
 Run from the repo root: python -m pytest tests/test_gsm8k.py -q
 """
 import dataclasses
@@ -19,7 +19,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import prepare_gsm8k  # noqa: E402
-import train_ppo  # noqa: E402
+import config  # noqa: E402
+from prompts import sets  # noqa: E402
+from rewards import scoring  # noqa: E402
 from rewards.gsm8k import compute_score, compute_score_flexible  # noqa: E402
 
 CONFIG = ROOT / "configs" / "gsm8k_qwen2.5_0.5b.yaml"
@@ -76,7 +78,7 @@ def test_converted_prompts_load_through_the_trainer_with_a_chat_template(gsm8k_f
     prepare_gsm8k.main(["--train", str(train), "--test", str(test), "--out", str(tmp_path)])
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "examples" / "demo_model")
     tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
-    prompts = train_ppo.load_prompts(str(tmp_path / "val.parquet"), "prompt", tokenizer, 10_000, "error",
+    prompts = sets.load_prompts(str(tmp_path / "val.parquet"), "prompt", tokenizer, 10_000, "error",
                                      columns=["ground_truth"], reward_fn="rewards.gsm8k:compute_score")
     texts, ids = prompts.texts, prompts.ids
     assert prompts.columns["ground_truth"] == [TEST_ROWS[0]["answer"].split("####")[-1].strip().replace(",", ""),
@@ -174,8 +176,8 @@ def test_scores_come_in_sample_order():
 
 def test_both_are_verifiers_and_load_by_name():
     assert compute_score.is_verifier is True and compute_score_flexible.is_verifier is True
-    assert train_ppo.load_reward_fn("rewards.gsm8k:compute_score") is compute_score
-    assert train_ppo.load_reward_fn("rewards.gsm8k:compute_score_flexible") is compute_score_flexible
+    assert scoring.load_reward_fn("rewards.gsm8k:compute_score") is compute_score
+    assert scoring.load_reward_fn("rewards.gsm8k:compute_score_flexible") is compute_score_flexible
 
 
 @pytest.mark.parametrize("fn", [compute_score, compute_score_flexible])
@@ -193,7 +195,7 @@ def test_bad_calls_raise(fn):
 # ---- config ---------------------------------------------------------------------------------------
 def test_config_uses_only_known_keys():
     keys = set(yaml.safe_load(CONFIG.read_text()))
-    assert keys <= {f.name for f in dataclasses.fields(train_ppo.Config)}
+    assert keys <= {f.name for f in dataclasses.fields(config.Config)}
 
 
 def test_config_loads_with_the_published_values_next_to_prepared_data(gsm8k_files, tmp_path, monkeypatch):
@@ -203,7 +205,7 @@ def test_config_loads_with_the_published_values_next_to_prepared_data(gsm8k_file
     monkeypatch.chdir(tmp_path)
     prepare_gsm8k.main(["--train", str(train), "--test", str(test)])
     (tmp_path / "models" / "Qwen2.5-0.5B-Instruct").mkdir(parents=True)
-    cfg = train_ppo.load_config(["--config", str(CONFIG)])
+    cfg = config.load_config(["--config", str(CONFIG)])
 
     assert (tmp_path / cfg.train_files).is_file() and (tmp_path / cfg.val_files).is_file()
     assert cfg.model_path == cfg.critic_model_path == "models/Qwen2.5-0.5B-Instruct"

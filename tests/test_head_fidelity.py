@@ -3,7 +3,7 @@ soft-capped), values and gradients, and sizes its chunks by rows on CUDA (issue 
 import pytest
 import torch
 
-import head_logprobs as hl
+from forward import head_logprobs as hl
 
 
 def autograd_reference(hidden, weight, tokens, temperature, scale, softcap):

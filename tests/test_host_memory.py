@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """
 import sys, torch
-import host_memory
+from plumbing import host_memory
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 took = host_memory.return_large_blocks(float(sys.argv[1]))

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_run_process_imports_neither_sklearn_nor_triton_and_still_generates():
     code = textwrap.dedent("""
         import importlib.util, sys
-        import lean_imports
+        from plumbing import lean_imports
         lean_imports.skip_unused()
         import torch, accelerate, mlflow
         from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -5,8 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import train_ppo
-from train_ppo import pack_batch, reward_model_scores
+import config
+from modeling import loading
+from forward.batch import pack_batch
+from forward.readouts import reward_model_scores
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "examples" / "demo_model"
@@ -19,8 +21,8 @@ def test_every_model_is_in_eval_mode_dropout_off(tmp_path, lora_rank):
     from transformers import AutoModelForSequenceClassification
     rm = tmp_path / "rm"
     AutoModelForSequenceClassification.from_pretrained(DEMO_MODEL, num_labels=1).save_pretrained(rm)
-    cfg = train_ppo.Config(lora_rank=lora_rank, reward_model_path=str(rm))
-    tokenizer, actor, critic, ref, reward_model = train_ppo.load_models(cfg)
+    cfg = config.Config(lora_rank=lora_rank, reward_model_path=str(rm))
+    tokenizer, actor, critic, ref, reward_model = loading.load_models(cfg)
     for name, model in (("actor", actor), ("critic", critic), ("ref", ref), ("reward", reward_model)):
         if model is None:
             continue
@@ -58,7 +60,9 @@ def test_gradient_checkpointing_keeps_fewer_activations_in_the_update_only_with_
     tensors for the backward (the decoder layers' activations are recomputed instead) and the
     gradients are the same; outside it (the no-grad passes, generation) nothing changes, and
     dropout stays off throughout."""
-    from train_ppo import Config, load_models, recompute_activations, response_logprobs
+    from config import Config
+    from forward.readouts import response_logprobs
+    from modeling.loading import load_models, recompute_activations
     batch = pack_batch([[5, 6, 7], [8, 9]], [[4, 5], [6, 7, 8]], pad_id=0)
     kept, grads = {}, {}
     for on in (False, True):

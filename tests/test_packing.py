@@ -8,10 +8,13 @@ import torch
 from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification,
                           Qwen2ForTokenClassification)
 
-import packing
-from head_logprobs import head_logprobs
-from train_ppo import (Config, critic_values, load_models, masked_mean, pack_batch, response_logprobs,
-                       reward_model_scores)
+from forward import packing
+from forward.head_logprobs import head_logprobs
+from config import Config
+from core_algos import masked_mean
+from forward.batch import pack_batch
+from forward.readouts import critic_values, response_logprobs, reward_model_scores
+from modeling.loading import load_models
 
 VOCAB = 300
 PROMPTS = [[5 + i % 50 for i in range(n)] for n in (3, 41, 17, 1)]
@@ -107,7 +110,7 @@ def test_load_models_packs_every_model_only_when_asked(remove_padding):
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 @pytest.mark.parametrize("with_entropy_grad", [False, True])
 def test_head_logprobs_equals_log_softmax_in_values_and_gradients(temperature, with_entropy_grad, monkeypatch):
-    monkeypatch.setattr("head_logprobs.CHUNK_ELEMENTS", 7 * 50)   # 7 rows a chunk: chunks end mid-batch
+    monkeypatch.setattr("forward.head_logprobs.CHUNK_ELEMENTS", 7 * 50)   # 7 rows a chunk: chunks end mid-batch
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(30, 16, generator=g, requires_grad=True)
     weight = torch.randn(50, 16, generator=g, requires_grad=True)

@@ -12,28 +12,15 @@ import statistics
 import pytest
 import torch
 
-import train_ppo
-from train_ppo import (
-    UserError,
-    agg_loss,
-    compute_gae,
-    compute_grpo_advantages,
-    compute_reinforce_pp_advantages,
-    compute_reinforce_pp_baseline_advantages,
-    compute_rloo_advantages,
-    entropy_from_logits,
-    explained_variance,
-    kl_in_reward,
-    load_config,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-    pack_batch,
-    place_scores,
-    policy_loss,
-    value_loss,
-)
+import core_algos
+from config import load_config
+from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_reinforce_pp_advantages,
+                        compute_reinforce_pp_baseline_advantages, compute_rloo_advantages, entropy_from_logits,
+                        explained_variance, kl_in_reward, masked_mean, masked_sum, masked_var, masked_whiten,
+                        policy_loss, value_loss)
+from errors import UserError
+from forward.batch import pack_batch
+from rewards.scoring import place_scores
 
 NAN = float("nan")
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -274,7 +261,8 @@ def test_a_dropped_sample_is_no_part_of_its_groups_baseline():
 
 
 def test_a_dropped_sample_gets_no_shaping_penalty():
-    from train_ppo import Config, shape_scores
+    from config import Config
+    from rewards.scoring import shape_scores
     cfg = Config(truncation_penalty=0.5, overlong_buffer_len=2, max_response_length=4, reward_clip=0.0)
     scores, lengths = t([1.0, 0.0]), t([4.0, 0.0])
     truncated = torch.tensor([True, True])
@@ -732,12 +720,12 @@ def test_config_positional_argument_is_an_error(base):
 
 
 def test_loss_agg_modes_constant_is_the_documented_set():
-    assert set(train_ppo.LOSS_AGG_MODES) == set(MODES)
+    assert set(core_algos.LOSS_AGG_MODES) == set(MODES)
 
 
 # --- reward shaping, learning-rate schedule, token-budget micro-batches -------------------------
 def test_overlong_penalty_is_zero_until_the_buffer_then_linear():
-    from train_ppo import overlong_penalty
+    from core_algos import overlong_penalty
     lengths = torch.tensor([10.0, 12.0, 14.0, 16.0])
     # max 16, buffer 4 -> expected 12: 10 and 12 free, 14 is half-way, 16 gets the whole factor
     got = overlong_penalty(lengths, 16, 4, 2.0)
@@ -745,7 +733,7 @@ def test_overlong_penalty_is_zero_until_the_buffer_then_linear():
 
 
 def test_lr_factor_warmup_constant_and_cosine():
-    from train_ppo import lr_factor
+    from core_algos import lr_factor
     assert [lr_factor(s, 4, 20, "constant", 0.0) for s in (0, 2, 4, 19)] == pytest.approx([0.0, 0.5, 1.0, 1.0])
     # cosine from the end of warmup (step 4) to the last step (20): half-way is the midpoint
     assert lr_factor(4, 4, 20, "cosine", 0.1) == pytest.approx(1.0)
@@ -754,7 +742,7 @@ def test_lr_factor_warmup_constant_and_cosine():
 
 
 def test_token_budget_splits_respect_the_budget_and_cover_every_sequence_once():
-    from train_ppo import token_budget_splits
+    from forward.batch import token_budget_splits
     lengths = [3, 3, 3, 5, 9, 1]
     groups = token_budget_splits(lengths, 6)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
@@ -767,7 +755,7 @@ def test_token_budget_splits_respect_the_budget_and_cover_every_sequence_once():
 
 def test_token_budget_splits_into_an_agreed_count_stay_within_the_budget():
     """Another rank needed more micro-batches: this one splits into exactly that many."""
-    from train_ppo import token_budget_splits
+    from forward.batch import token_budget_splits
     lengths = [4, 4, 4, 4, 2, 2]
     assert len(token_budget_splits(lengths, 100)) == 1
     for count in range(1, len(lengths) + 1):
@@ -782,7 +770,7 @@ def test_token_budget_splits_into_an_agreed_count_stay_within_the_budget():
 
 def test_micro_batches_are_trimmed_to_their_own_longest_sequence():
     """The token budget bounds what is computed: no column that every row of a micro-batch pads."""
-    from train_ppo import micro_batches, pack_batch
+    from forward.batch import micro_batches, pack_batch
     prompts = [[5] * 2, [5] * 9, [6] * 3, [7] * 1]
     responses = [[1] * 2, [1] * 6, [2] * 1, [3] * 3]
     batch = pack_batch(prompts, responses, pad_id=0)                              # width 9 + 6
@@ -799,7 +787,7 @@ def test_micro_batches_are_trimmed_to_their_own_longest_sequence():
 
 
 def test_forward_in_micro_batches_puts_rows_back_in_batch_order():
-    from train_ppo import forward_in_micro_batches, pack_batch
+    from forward.batch import forward_in_micro_batches, pack_batch
     prompts = [[5] * 4, [5], [6] * 2, [7] * 3, [8]]
     responses = [[1] * 3, [1], [2] * 2, [3] * 4, [4] * 2]
     batch = pack_batch(prompts, responses, pad_id=0)
@@ -824,7 +812,8 @@ def test_validation_shares_are_equal_on_every_rank_and_count_each_prompt_once():
 
 
 def test_micro_batches_by_token_budget_sum_to_the_mini_batch_loss():
-    from train_ppo import agg_loss, micro_batches, pack_batch
+    from core_algos import agg_loss
+    from forward.batch import micro_batches, pack_batch
     batch = pack_batch([[5, 6], [5], [7, 8, 9], [4]], [[1, 2, 3], [1], [2, 2], [3, 3, 3]], pad_id=0)
     loss_mat = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     batch["loss"] = loss_mat
@@ -837,7 +826,7 @@ def test_micro_batches_by_token_budget_sum_to_the_mini_batch_loss():
 
 # --- rollout correction: truncated importance sampling of the sampler ---------------------------
 def test_rollout_is_weights_token_and_sequence_hand_worked():
-    from train_ppo import rollout_is_weights
+    from core_algos import rollout_is_weights
     old = t([[0.0, -1.0, -2.0], [-0.5, -0.5, 0.0]])
     sampler = t([[-0.5, -1.0, -1.0], [0.0, -2.0, 5.0]])      # the last token of row 1 is padding
     mask = t([[1, 1, 1], [1, 1, 0]])

@@ -130,8 +130,9 @@ REGENERATE_DRIVER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import train_ppo
+import config
 
-cfg = train_ppo.load_config(sys.argv[3:])
+cfg = config.load_config(sys.argv[3:])
 run = train_ppo.setup(cfg)
 vllm, events = run.engine, []
 hf = train_ppo.hf_engine(run)
@@ -201,7 +202,7 @@ def test_regenerate_keeps_vllm_asleep_and_sends_the_weights_once_per_step(tmp_pa
 # ----------------------------------------------------------------------------------------------
 # 5. --dry_run counts the whole actor the hf engine gathers under ZeRO-3
 def seven_b_plan(engine: str, zero_stage, gpu_gib: float):
-    import preflight
+    from plumbing import preflight
     llama7b = preflight.ModelShape(params=6_738_415_616, trainable=6_738_415_616, largest=131_072_000, hidden=4096,
                                    layers=32, heads=32, kv_width=4096, intermediate=11008, vocab=32000)
     return preflight.Plan(
@@ -216,7 +217,7 @@ def test_dry_run_counts_the_actor_the_hf_engine_gathers_under_zero3(capsys):
     """A 7B fp32 actor on 8 ranks under ZeRO-3 holds about 3 GiB of weights per rank, but the hf
     engine's generation gathers all of it on every rank (about 25 GiB, the issue's 28 GB): with
     a 40 GiB GPU the preflight must say it does not fit and name that row; vLLM has no such row."""
-    import preflight
+    from plumbing import preflight
     rows = {what: b for what, b, _ in preflight.rows_for(seven_b_plan("hf", 3, 40), 8)}
     gathered = [what for what in rows if "gathered full actor" in what]
     assert len(gathered) == 1

@@ -222,8 +222,9 @@ def test_a_different_length_under_the_cosine_schedule_is_refused_naming_the_key(
     end to end)."""
     from dataclasses import asdict
 
-    from checkpoints import check_resumable
-    from train_ppo import Config, UserError
+    from plumbing.checkpoints import check_resumable
+    from config import Config
+    from errors import UserError
     saved = {"config": asdict(Config(lr_scheduler_type="cosine", total_training_steps=2))}
     with pytest.raises(UserError) as refused:
         check_resumable(asdict(Config(lr_scheduler_type="cosine", total_training_steps=4)), saved, tmp_path)

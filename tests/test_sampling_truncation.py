@@ -35,7 +35,7 @@ def _full_logits_oracle(z, top_k, top_p):
 def test_sampling_support_is_vllms_cut_ties_and_boundary_included(top_k, top_p):
     """The kept set equals vLLM's, on logits with many ties (rounded), so the k-th value's ties
     and the token that crosses top_p are decided as vLLM decides them."""
-    from head_logprobs import sampling_support
+    from forward.head_logprobs import sampling_support
     torch.manual_seed(0)
     z = (torch.randn(64, 50) * 3).round()                                        # [64, 50], ties everywhere
     keep = sampling_support(z, top_k, top_p)
@@ -49,7 +49,7 @@ def test_sampling_support_hand_worked():
     alone (it crosses 0.5); top_p=0.75 needs both 2s; top_k=2 keeps both tied 2s, and top-p then
     runs on their renormalised distribution [.576, .212, .212], where the first alone crosses 0.55
     (over the whole vocabulary, .521, it would not)."""
-    from head_logprobs import sampling_support
+    from forward.head_logprobs import sampling_support
     z = torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.0]])
     assert sampling_support(z, -1, 0.5).tolist() == [[True, False, False, False, False]]
     assert sampling_support(z, -1, 0.75).tolist() == [[True, True, True, False, False]]
@@ -63,7 +63,7 @@ def test_sampling_support_hand_worked():
 def test_truncated_logprobs_against_the_full_logits_computed_plainly(monkeypatch, temperature, top_k, top_p):
     """The chunked no-grad path (chunks of 7 rows) equals the plain one: the whole [N, V] logits,
     divided by T, cut by vLLM's own function, log-softmax, the token's entry."""
-    import head_logprobs
+    from forward import head_logprobs
     monkeypatch.setattr(head_logprobs, "CHUNK_ELEMENTS", 7 * 64)
     torch.manual_seed(1)
     hidden, weight = torch.randn(50, 16), torch.randn(64, 16)
@@ -79,7 +79,7 @@ def test_truncated_logprobs_against_the_full_logits_computed_plainly(monkeypatch
 def test_a_token_just_outside_the_cut_keeps_a_finite_logprob():
     """Rounding may put a sampled token just outside the actor's recomputed cut: it counts as kept
     (the sampler kept it), so its log-prob is over the kept set plus itself, never -inf."""
-    from head_logprobs import support_logprobs
+    from forward.head_logprobs import support_logprobs
     z = torch.tensor([[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
     got = support_logprobs(z, torch.tensor([1, 0]), top_k=1)
     want = torch.stack([1.0 - torch.logsumexp(torch.tensor([2.0, 1.0]), 0), torch.tensor(0.0)])
@@ -90,7 +90,8 @@ def test_fused_and_per_sequence_heads_give_the_same_truncated_logprobs():
     """response_logprobs' third output from the chunked head (hidden states) and from the model's
     own logits (a head with a bias, as under ZeRO-3 or adapters) agree."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from train_ppo import pack_batch, response_logprobs
+    from forward.batch import pack_batch
+    from forward.readouts import response_logprobs
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32).eval()
     torch.manual_seed(2)
@@ -135,7 +136,8 @@ def engines(demo):
 def _sample_and_replay(demo, engine, temperature, top_k, top_p):
     """-> (mask, sampler, actor full, actor cut), each [B, R], for 4 samples of each prompt."""
     from rollout import SamplingParams
-    from train_ppo import pack_batch, response_logprobs, sampler_logprobs
+    from forward.batch import pack_batch, sampler_logprobs
+    from forward.readouts import response_logprobs
     model, tokenizer, prompts = demo
     torch.manual_seed(4)
     out = engine.generate(prompts, SamplingParams(n=4, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -173,7 +175,7 @@ def test_rollout_correction_weights_are_the_same_quantity_on_both_engines(demo, 
     exp(actor cut - sampler), are 1 up to fp32 rounding; the full-vocabulary weights
     exp(actor full - sampler) would be the kept mass, below 1 wherever the cut dropped any mass,
     on both engines alike (for the hf engine they used to be exactly 1, for vLLM about 0.8)."""
-    from train_ppo import rollout_is_weights
+    from core_algos import rollout_is_weights
     for name in ("hf", "vllm"):
         mask, sampler, full, cut = _sample_and_replay(demo, engines[name], 1.0, -1, 0.5)
         weights, stats = rollout_is_weights(cut, sampler, mask, mode, 2.0)

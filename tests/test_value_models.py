@@ -1,5 +1,5 @@
 """Critics and reward models for every decoder family (value_models.py), loaded through
-train_ppo.load_models and read by train_ppo.critic_values / reward_model_scores, against the
+loading.load_models and read by readouts.critic_values / reward_model_scores, against the
 model's own forward: the checkpoint's backbone run on each sequence alone (eager attention, no
 padding) and the head applied to its hidden states. Cohere, Granite and OLMo 2 have no
 ...ForTokenClassification in transformers (before value_models.py they had no critic); Qwen2 has."""
@@ -13,12 +13,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import flops
-import preflight
-import train_ppo
+from plumbing import flops
+from plumbing import preflight
+from forward import readouts
+from modeling import loading
 from errors import UserError
 from examples.make_demo import build_char_tokenizer
-from train_ppo import Config, critic_values, load_models, pack_batch, reward_model_scores
+from config import Config
+from forward.batch import pack_batch
+from forward.readouts import critic_values, reward_model_scores
+from modeling.loading import load_models
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["cohere", "granite", "olmo2", "qwen2"]
@@ -97,7 +101,7 @@ def alone(backbone, tokens: list[int]) -> torch.Tensor:
 
 def layout(model, batch, packed: bool):
     """The layout the trainer will run (the test asserts it is the one asked for)."""
-    assert (train_ppo._packed(model, batch) is not None) == packed
+    assert (readouts._packed(model, batch) is not None) == packed
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
@@ -254,7 +258,7 @@ def test_gradient_checkpointing_recomputes_the_critics_layers_with_the_same_grad
     for on in (False, True):
         torch.manual_seed(0)   # the same new head both times
         _, _, critic, _, _ = load_models(Config(model_path=str(lm), gradient_checkpointing=on))
-        with train_ppo.recompute_activations(critic, on):
+        with loading.recompute_activations(critic, on):
             critic_values(critic, batch).sum().backward()
         grads[on] = {n: p.grad for n, p in critic.named_parameters()}
         if on:
@@ -273,7 +277,7 @@ def test_registry_wide_critic_values_and_reward_scores(tmp_path):
     failures = {}
     families = model_registry.families()
     for model_type in families:
-        if model_type in train_ppo.REFUSED:   # refused at load by name (tests/test_conformance.py checks the line)
+        if model_type in loading.REFUSED:   # refused at load by name (tests/test_conformance.py checks the line)
             continue
         try:
             _check_family(model_registry, model_type, tmp_path / model_type)
@@ -295,7 +299,7 @@ CRITIC_GAPS = {
 
 
 def _check_family(model_registry, model_type: str, directory: Path) -> None:
-    import value_models
+    from modeling import value_models
     lm = model_registry.save_tiny(model_type, directory / "lm")
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(3, model_registry.VOCAB, (n,), generator=g).tolist()   # noqa: E731

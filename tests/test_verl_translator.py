@@ -1,8 +1,8 @@
 """scripts/verl_to_config.py: a verl ppo_trainer YAML and Hydra overrides -> this toolkit's YAML.
 
 Checks the mapped values, that every verl key given is accounted for (carried, consumed, or listed as
-not carried with its value), that targets are looked up in train_ppo.Config at run time, and that the
-output loads through train_ppo.load_config. Expected values are written by hand.
+not carried with its value), that targets are looked up in config.Config at run time, and that the
+output loads through config.load_config. Expected values are written by hand.
 Run from the repo root: python -m pytest tests/test_verl_translator.py -q
 """
 import dataclasses
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-import train_ppo  # noqa: E402
+import config  # noqa: E402
 import verl_to_config as v2c  # noqa: E402
 
 VERL_YAML = """
@@ -191,7 +191,7 @@ def test_every_given_key_is_accounted_for_once(workspace):
 
 def test_output_loads_through_train_ppo(workspace, capsys):
     out, _ = run(workspace, capsys)
-    cfg = train_ppo.load_config(["--config", str(out)])
+    cfg = config.load_config(["--config", str(out)])
     assert cfg.actor_lr == 1e-6 and cfg.kl_ctrl_type == "adaptive" and cfg.total_training_steps == 9
     assert cfg.reward_model_path.endswith("model")
 
@@ -222,10 +222,10 @@ def test_unresolved_interpolation_is_not_carried():
 
 
 def _config_class(add: dict = (), drop: tuple = ()):
-    """train_ppo.Config with fields added or removed, as the toolkit may look later (or did before)."""
-    hints = typing.get_type_hints(train_ppo.Config)
+    """config.Config with fields added or removed, as the toolkit may look later (or did before)."""
+    hints = typing.get_type_hints(config.Config)
     fields = [(f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
-              for f in dataclasses.fields(train_ppo.Config) if f.name not in drop]
+              for f in dataclasses.fields(config.Config) if f.name not in drop]
     fields += [(name, type(default), dataclasses.field(default=default)) for name, default in dict(add).items()
                if name not in hints]
     return dataclasses.make_dataclass("Config", fields)
@@ -234,21 +234,21 @@ def _config_class(add: dict = (), drop: tuple = ()):
 def test_targets_are_looked_up_in_config_at_run_time(monkeypatch):
     flat = v2c.resolve(v2c.read_verl([], ["trainer.save_freq=10", "actor_rollout_ref.model.lora_rank=16"]))
 
-    monkeypatch.setattr(train_ppo, "Config", _config_class(drop=("save_freq", "lora_rank")))
+    monkeypatch.setattr(config, "Config", _config_class(drop=("save_freq", "lora_rank")))
     t = v2c.translate(flat)
     assert t.carried == {}
     assert {key: why for key, _, why in t.not_carried} == {
         "trainer.save_freq": "the toolkit has no 'save_freq' key (yet)",
         "actor_rollout_ref.model.lora_rank": "the toolkit has no 'lora_rank' key (yet)"}
 
-    monkeypatch.setattr(train_ppo, "Config", _config_class(add={"save_freq": -1, "lora_rank": 0}))
+    monkeypatch.setattr(config, "Config", _config_class(add={"save_freq": -1, "lora_rank": 0}))
     t = v2c.translate(flat)
     assert t.carried["save_freq"][0] == 10 and t.carried["lora_rank"][0] == 16
     assert t.not_carried == []
 
 
 def test_resume_and_checkpoint_keys(monkeypatch):
-    monkeypatch.setattr(train_ppo, "Config", _config_class(add={"resume": "auto", "save_total_limit": 2}))
+    monkeypatch.setattr(config, "Config", _config_class(add={"resume": "auto", "save_total_limit": 2}))
     t = v2c.translate(v2c.resolve(v2c.read_verl([], ["trainer.resume_mode=disable", "trainer.max_actor_ckpt_to_keep=3",
                                                      "trainer.max_critic_ckpt_to_keep=5"])))
     assert t.carried["resume"][0] == "never" and t.carried["save_total_limit"][0] == 3

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from errors import UserError, first_line
+from rollout.sync import actor_weights
 
 # what the guards advise changing (guards.py): none changes a tensor's shape or what a checkpoint
 # holds, so a run a guard stopped resumes with the advised change (a new actor_lr rescales the
@@ -260,3 +261,27 @@ class StopSignal:
     def agreed(self, accelerator) -> bool:
         flag = torch.tensor([float(self.requested)], device=accelerator.device)
         return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+def save_final(accelerator, actor, tokenizer, out_dir: Path, ds: bool, merged: bool = False) -> Path | None:
+    """The actor in Hugging Face format; under ZeRO-3 the shards are gathered into full weights."""
+    if ds:
+        accelerator.state.select_deepspeed_plugin("actor")
+    accelerator.wait_for_everyone()
+    state = accelerator.get_state_dict(actor)      # collective under ZeRO-3: every rank calls it
+    model = accelerator.unwrap_model(actor)
+    merged_state = None
+    if merged and hasattr(model, "peft_config"):   # also a collective under ZeRO-3
+        merged_state = {name: t.detach().cpu().clone() for name, t in actor_weights(actor, ds, 256.0)
+                        if accelerator.is_main_process}
+    if not accelerator.is_main_process:
+        return None
+    final_dir = out_dir / "final"
+    model.save_pretrained(final_dir, state_dict=state, safe_serialization=True)   # LoRA: the adapter alone
+    tokenizer.save_pretrained(final_dir)
+    if merged_state is not None:
+        base = model.get_base_model()
+        config_only = base.config.__class__.from_dict(base.config.to_dict())
+        type(base)(config_only).save_pretrained(final_dir / "merged", state_dict=merged_state, safe_serialization=True)
+        tokenizer.save_pretrained(final_dir / "merged")
+    return final_dir

@@ -1,6 +1,6 @@
 """Distribution plumbing: Accelerate, with one DeepSpeed plugin (engine config) per model under
 DeepSpeed, the launched DeepSpeed config checked against the values the script owns, and the
-ZeRO-3 parameter gathering that generation and weight sync need. train_ppo.py calls
+ZeRO-3 parameter gathering that generation and weight sync need. distribution/prepare.py calls
 `make_accelerator` once; everything here takes plain values, never the script's config.
 """
 from __future__ import annotations

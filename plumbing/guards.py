@@ -11,7 +11,7 @@ sampling temperature and/or entropy bonus until it recovers): train_ppo reads `t
 """
 import sys
 
-from checkpoints import find_checkpoint, read_state
+from plumbing.checkpoints import find_checkpoint, read_state
 from errors import UserError
 
 

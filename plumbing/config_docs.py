@@ -1,5 +1,5 @@
 """--help and the README's config reference (scripts/config_reference.py), both rendered from
-train_ppo.py's Config dataclass: its fields' types, defaults and one-line helps, grouped under the
+config.py's Config dataclass: its fields' types, defaults and one-line helps, grouped under the
 `# section` comments of its source. One source, so they cannot drift.
 """
 import dataclasses
@@ -9,7 +9,7 @@ import re
 import typing
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]   # the repository root
 
 
 def sections(config) -> list[tuple[str, list]]:

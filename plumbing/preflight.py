@@ -79,7 +79,7 @@ def model_shape(path: str, kind: str, lora_rank: int = 0, lora_targets: str = "a
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import value_models
+    from modeling import value_models
     config = AutoConfig.from_pretrained(path)
     if kind != "causal":   # critic and reward model: the backbone and a one-output head
         config.num_labels = 1

@@ -20,6 +20,8 @@ With another C library (musl, macOS, Windows) this does nothing.
 import ctypes
 import ctypes.util
 
+import torch
+
 M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter number (malloc.h)
 
 
@@ -33,3 +35,11 @@ def return_large_blocks(threshold_mb: float) -> bool:
     except (OSError, AttributeError):   # not glibc
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, int(threshold_mb * 2**20)))
+
+
+def peak_memory_gb() -> float:
+    """Peak GPU memory allocated by torch on this rank, or without a GPU the process's peak RSS."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux

@@ -1,0 +1,415 @@
+"""The config: one flat dataclass (each key typed, with a default and a one-line help), read as
+defaults (the demo) <- YAML file(s) (--config) <- --key=value, then validated. The first module a
+reader opens after train_ppo.py; it leans only on the math's names (kl/, core_algos) and errors.
+"""
+from __future__ import annotations
+
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import kl
+from core_algos import LOSS_AGG_MODES
+from errors import UserError
+
+
+HERE = Path(__file__).resolve().parent
+
+
+def opt(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # models
+    model_path: str = opt(str(HERE / "examples/demo_model"), "actor (policy) model directory, Hugging Face format")
+    critic_model_path: str = opt("", "critic: a causal LM (a value head is added), a token classifier or a reward "
+                                     "model (its head is kept). '' = the actor's initial weights")
+    ref_model_path: str = opt("", "frozen reference model for KL. '' = the actor's initial weights")
+    reward_model_path: str = opt("", "reward model (sequence classifier with 1 label, or a base model saved with "
+                                     "its score head); when set, replaces reward_fn")
+    reward_fn: str = opt("rewards.arithmetic:compute_score", "'module:function' called as fn(prompts, responses) -> list of floats")
+    # reward shaping
+    reward_clip: float = opt(0.0, "clip each sequence score to [-reward_clip, reward_clip] (after shaping); 0 = off")
+    overlong_buffer_len: int = opt(0, "DAPO overlong shaping: penalise responses longer than max_response_length - this; 0 = off")
+    overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: the penalty at max_response_length")
+    truncation_penalty: float = opt(0.0, "subtracted from the score of a response cut at max_response_length without EOS")
+    # precision
+    dtype: str = opt("fp32", "fp32 | bf16 (bf16 autocast for forward passes; weights and optimizer stay fp32)")
+    # LoRA
+    lora_rank: int = opt(0, "train the actor as LoRA adapters of this rank (PEFT); the reference is then the base "
+                            "model with the adapters disabled (no second copy); 0 = full fine-tuning")
+    lora_alpha: float = opt(16.0, "LoRA scaling numerator (scale = lora_alpha / lora_rank)")
+    lora_target_modules: str = opt("all-linear", "modules that get adapters: all-linear, or a comma-separated list of names")
+    lora_save_merged: bool = opt(False, "LoRA: also save the merged full model in final/merged")
+    # data
+    train_files: str = opt(str(HERE / "examples/data/train.parquet"), "training prompts: parquet or jsonl files, comma-separated")
+    val_files: str = opt(str(HERE / "examples/data/val.parquet"), "validation prompts (same format); '' = no validation")
+    prompt_key: str = opt("prompt", "column holding the prompt: a string, or a list of chat messages")
+    max_prompt_length: int = opt(16, "prompt tokens at most")
+    prompt_truncation: str = opt("error", "what to do with a longer prompt: error | left (keep its last tokens) | "
+                                          "drop (leave the row out, counted in the log; verl's filter_overlong_prompts)")
+    max_response_length: int = opt(4, "response tokens at most")
+    # SFT mix (InstructGPT's PPO-ptx): supervised data in the actor update
+    sft_files: str = opt("", "supervised data mixed into every actor mini-batch: parquet or jsonl files with prompt and "
+                             "response columns, comma-separated; '' = off")
+    sft_prompt_key: str = opt("prompt", "SFT: the prompt column (a string, or a list of chat messages)")
+    sft_response_key: str = opt("response", "SFT: the response column (a string; EOS is appended)")
+    sft_coef: float = opt(0.1, "SFT: weight of the next-token NLL (mean over response tokens) added to the actor loss")
+    sft_batch_size: int = opt(0, "SFT: sequences per actor mini-batch, all processes together (a multiple of their "
+                                 "number); 0 = 5% of the mini-batch's sequences, at least one per process")
+    # run
+    output_dir: str = opt("runs/demo", "where config.yaml, metrics.jsonl and final/ go")
+    seed: int = opt(0, "seed for data order, sampling and initialisation")
+    total_training_steps: int = opt(300, "PPO iterations")
+    train_batch_size: int = opt(64, "prompts per iteration (all ranks together)")
+    test_freq: int = opt(25, "validate every N steps (and after the last); -1 = never")
+    val_before_train: bool = opt(True, "validate before the first step (logged as step 0)")
+    save_freq: int = opt(-1, "checkpoint every N steps (also on SIGTERM/SIGINT, then exit); -1 = only on a signal")
+    save_total_limit: int = opt(2, "keep only the newest K checkpoints")
+    resume: str = opt("auto", "auto (newest complete checkpoint in output_dir/checkpoints) | never | a checkpoint path")
+    malloc_mmap_threshold_mb: float = opt(0.0, "host blocks of this size and more go back to the OS when freed "
+                                               "(glibc): less peak memory, slower steps (host_memory.py); 0 = "
+                                               "glibc's adaptive default")
+    # guards
+    kl_rollback_threshold: float = opt(0.0, "kl/mean above this reloads the last checkpoint with a lower actor lr; 0 = off")
+    rollback_lr_factor: float = opt(0.5, "each rollback multiplies the actor's learning rate by this")
+    max_rollbacks: int = opt(3, "give up (stop the run) after this many rollbacks")
+    max_consecutive_skips: int = opt(5, "roll back after this many optimizer steps in a row skipped for a non-finite "
+                                        "gradient norm; 0 = never")
+    entropy_warn_threshold: float = opt(0.01, "warn when actor/entropy falls below this (entropy collapse); 0 = off")
+    entropy_floor: float = opt(0.0, "react to entropy collapse: when guard/entropy (the policy's entropy at "
+                                    "`temperature`) falls below this, switch to entropy_floor_temperature and/or "
+                                    "entropy_floor_coeff; 0 = off")
+    entropy_floor_temperature: typing.Optional[float] = opt(None, "entropy_floor: the sampling temperature while "
+                                                                  "reacting, above temperature to raise entropy "
+                                                                  "(e.g. 1.2); None = unchanged")
+    entropy_floor_coeff: typing.Optional[float] = opt(None, "entropy_floor: the entropy_coeff while reacting "
+                                                            "(e.g. 0.01); None = unchanged")
+    entropy_recover: float = opt(0.0, "entropy_floor: undo the reaction once guard/entropy rises above this "
+                                      "(> entropy_floor); 0 = keep it for the rest of the run")
+    skip_nonfinite_rewards: bool = opt(False, "a NaN/inf score drops that sample from the update instead of stopping the run")
+    # tracking
+    mlflow_tracking_uri: str = opt("", "MLflow tracking URI; '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir")
+    mlflow_experiment: str = opt("ppo", "MLflow experiment name")
+    run_name: str = opt("", "MLflow run name; '' = the output_dir's name")
+    mlflow_system_metrics: bool = opt(False, "MLflow samples CPU, memory (and GPU) use of the machine into the run")
+    mlflow_log_model: bool = opt(True, "log the final model to the MLflow run as a transformers model (a few "
+                                       "seconds even for a tiny model); it is in output_dir/final either way")
+    log_samples: int = opt(16, "validation generations logged to MLflow as a table, per validation")
+    peak_tflops: float = opt(0.0, "the device's dense peak TFLOPS at the run's precision, for perf/mfu; 0 = known "
+                                  "GPUs by name (flops.py), none on other devices (CPUs): no perf/mfu")
+    # rollout
+    rollout_engine: str = opt("hf", "hf (generate on the actor itself) | vllm")
+    rollout_n: int = opt(4, "responses sampled per prompt")
+    rollout_ignore_eos: bool = opt(False, "keep sampling past EOS (fixed-length responses, for benchmarks)")
+    rollout_micro_batch_size: int = opt(256, "sequences per generate() call (hf engine)")
+    rollout_sleep: bool = opt(True, "vllm: free the engine's weights and KV cache while the models train (GPU)")
+    rollout_sleep_level: int = opt(1, "vllm on GPU: 1 = weights to host memory while asleep; 2 = weights dropped "
+                                      "(every weight is sent after each update anyway; vLLM has had bugs with 2)")
+    rollout_enforce_eager: bool = opt(False, "vllm on GPU: no CUDA graphs (slower decoding, faster start); CPU is "
+                                             "always eager")
+    rollout_gpu_memory_utilization: float = opt(0.5, "vllm on GPU: share of GPU memory the engine may take")
+    rollout_kv_cache_gb: float = opt(1.0, "vllm on CPU: KV cache size in GiB")
+    rollout_sync_bucket_mb: float = opt(256.0, "vllm: weight sync gathers ZeRO-3 shards this many MiB at a time")
+    rollout_fallback_hf: bool = opt(False, "vllm: if the engine cannot start, generate with the hf engine instead")
+    rollout_max_logprob_diff: float = opt(0.0, "react when rollout/logprob_diff (sampler vs actor) exceeds this; "
+                                               "0 = never")
+    rollout_on_drift: str = opt("stop", "the reaction to rollout_max_logprob_diff: stop (the run, naming the step) | "
+                                        "regenerate (re-send the weights and sample that step again with the hf "
+                                        "engine, on-policy)")
+    rollout_is: str = opt("off", "rollout correction, truncated importance sampling of the sampler against the actor "
+                                 "(both under the top_p/top_k cut): off | token | sequence")
+    rollout_is_threshold: float = opt(2.0, "rollout_is: the weights' cap C in min(exp(actor - sampler log-prob), C)")
+    temperature: float = opt(1.0, "sampling temperature for rollouts; log-probs use the same temperature")
+    top_p: float = opt(1.0, "nucleus sampling for rollouts")
+    top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")
+    val_temperature: float = opt(0.0, "sampling temperature for validation; 0 = greedy")
+    # optimisation
+    actor_lr: float = opt(5e-5, "actor learning rate (AdamW)")
+    critic_lr: float = opt(1e-4, "critic learning rate (AdamW)")
+    weight_decay: float = opt(0.0, "AdamW weight decay, actor and critic")
+    lr_warmup_steps: int = opt(0, "linear learning-rate warmup over this many steps (actor and critic)")
+    lr_warmup_steps_ratio: float = opt(0.0, "warmup as a fraction of total_training_steps, when lr_warmup_steps is 0 "
+                                            "(verl's lr_warmup_steps_ratio)")
+    lr_scheduler_type: str = opt("constant", "after warmup: constant | cosine (decays to min_lr_ratio x lr by the last step)")
+    min_lr_ratio: float = opt(0.0, "cosine schedule: the final learning rate as a fraction of the initial one")
+    max_grad_norm: float = opt(1.0, "actor gradient clipping (global norm)")
+    critic_max_grad_norm: float = opt(1.0, "critic gradient clipping (global norm)")
+    critic_warmup: int = opt(0, "the actor is updated from step critic_warmup on (verl's meaning: steps before it "
+                                "train the critic only; 0 and 1 both update the actor from step 1)")
+    ppo_epochs: int = opt(2, "passes over each iteration's rollouts")
+    ppo_mini_batch_size: int = opt(32, "prompts per optimizer step (x rollout_n sequences)")
+    ppo_micro_batch_size_per_device: int = opt(128, "sequences per forward/backward on one device")
+    log_prob_micro_batch_size_per_device: typing.Optional[int] = opt(
+        None, "sequences per no-grad forward pass (old and reference log-probs, values; nothing kept for a backward "
+              "pass, so it can be larger); None = ppo_micro_batch_size_per_device")
+    use_dynamic_bsz: bool = opt(False, "form micro-batches by token budget instead of a sequence count")
+    ppo_max_token_len_per_device: int = opt(16384, "use_dynamic_bsz: prompt+response tokens per micro-batch")
+    remove_padding: bool = opt(True, "pack each micro-batch's sequences end to end in one row, so no layer computes "
+                                     "on padding (verl's use_remove_padding); False = pad them to the longest")
+    critic_ppo_mini_batch_size: typing.Optional[int] = opt(None, "critic: prompts per optimizer step; None = ppo_mini_batch_size")
+    critic_ppo_micro_batch_size_per_device: typing.Optional[int] = opt(
+        None, "critic: sequences per forward/backward on one device; None = ppo_micro_batch_size_per_device")
+    critic_ppo_epochs: typing.Optional[int] = opt(None, "critic: passes over each iteration's rollouts; None = ppo_epochs")
+    critic_ppo_max_token_len_per_device: typing.Optional[int] = opt(
+        None, "critic, use_dynamic_bsz: tokens per micro-batch; None = ppo_max_token_len_per_device")
+    gradient_checkpointing: bool = opt(False, "recompute the actor's activations in the backward pass instead of "
+                                              "keeping them: less memory, about a third more compute")
+    critic_gradient_checkpointing: typing.Optional[bool] = opt(None, "the same for the critic; None = "
+                                                                     "gradient_checkpointing")
+    ref_offload: bool = opt(False, "DeepSpeed ZeRO-3: keep the reference model's parameters in CPU memory")
+    reward_offload: bool = opt(False, "DeepSpeed ZeRO-3: keep the reward model's parameters in CPU memory")
+    # advantages and rewards
+    adv_estimator: str = opt("gae", "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline")
+    norm_adv_by_std_in_grpo: bool = opt(True, "grpo: divide by the group's std (False = Dr. GRPO)")
+    gamma: float = opt(1.0, "discount")
+    lam: float = opt(0.95, "GAE lambda")
+    use_kl_in_reward: bool = opt(True, "subtract kl_coef * KL(actor || ref) from the token rewards")
+    kl_penalty: str = opt("kl", "estimator for KL in the reward: kl/k1, abs, mse/k2, low_var_kl/k3 (+ variants)")
+    kl_ctrl_type: str = opt("fixed", "KL-in-reward coefficient: fixed | adaptive")
+    kl_coef: float = opt(0.001, "KL-in-reward coefficient (the adaptive controller's initial value)")
+    target_kl: float = opt(0.1, "adaptive controller: the KL it steers towards")
+    kl_horizon: int = opt(10000, "adaptive controller: horizon (in sequences)")
+    use_kl_loss: bool = opt(False, "add kl_loss_coef * KL(actor || ref) to the actor loss")
+    kl_loss_coef: float = opt(0.001, "KL-loss coefficient")
+    kl_loss_type: str = opt("low_var_kl", "estimator for the KL loss (same names as kl_penalty)")
+    # losses
+    clip_ratio: float = opt(0.2, "PPO clip range; the default for clip_ratio_low and clip_ratio_high")
+    clip_ratio_low: typing.Optional[float] = opt(None, "lower clip range (ratio >= 1 - low); None = clip_ratio")
+    clip_ratio_high: typing.Optional[float] = opt(None, "upper clip range (ratio <= 1 + high); None = clip_ratio")
+    clip_ratio_c: float = opt(3.0, "dual-clip constant (> 1) bounding the loss where advantages are negative")
+    cliprange_value: float = opt(0.5, "value clipping around the old values")
+    entropy_coeff: float = opt(0.0, "entropy bonus coefficient")
+    loss_agg_mode: str = opt("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm")
+
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+
+
+def load_config(argv: list[str] | None = None) -> Config:
+    """Defaults <- each --config YAML in order <- --key=value / --key value overrides."""
+    argv = sys.argv[1:] if argv is None else argv
+    pairs = _parse_cli(argv)
+    values: dict = {}
+    for key, val in pairs:
+        if key == "config":
+            values.update(_read_yaml(val))
+    for key, val in pairs:
+        if key != "config":
+            values[key] = val
+    cfg = Config(**{k: _coerce(k, v) for k, v in values.items()})
+    validate_config(cfg)
+    return cfg
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Settings that run but are known to work against the user."""
+    notes = []
+    if cfg.adv_estimator == "grpo" and cfg.norm_adv_by_std_in_grpo and cfg.use_kl_in_reward:
+        notes.append("adv_estimator=grpo with use_kl_in_reward=true: a group whose verifier scores tie differs only "
+                     "by kl_coef x KL, and dividing by the group's std turns that noise into advantages of about "
+                     "+-1 (on the demo: +6 validation points instead of +31). verl's GRPO recipes use "
+                     "use_kl_in_reward=false and use_kl_loss=true (configs/demo_grpo.yaml)")
+    if cfg.entropy_floor and cfg.entropy_floor_temperature is not None and cfg.entropy_floor_temperature < cfg.temperature:
+        notes.append(f"entropy_floor_temperature={cfg.entropy_floor_temperature:g} is below temperature="
+                     f"{cfg.temperature:g}: sampling colder lowers entropy, so this reaction to entropy collapse "
+                     f"deepens it; a temperature above {cfg.temperature:g} raises it")
+    if cfg.entropy_floor and cfg.entropy_floor_coeff is not None and cfg.entropy_floor_coeff < cfg.entropy_coeff:
+        notes.append(f"entropy_floor_coeff={cfg.entropy_floor_coeff:g} is below entropy_coeff={cfg.entropy_coeff:g}: "
+                     "a smaller entropy bonus lets entropy fall further, so this reaction to entropy collapse "
+                     "deepens it")
+    return notes
+
+
+def _parse_cli(argv: list[str]) -> list[tuple[str, str]]:
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise UserError(f"unexpected argument {arg!r}: use --key=value or --key value")
+        if "=" in arg:
+            key, val = arg[2:].split("=", 1)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            key, val, i = arg[2:], argv[i + 1], i + 1
+        else:
+            raise UserError(f"{arg} has no value: use {arg}=VALUE")
+        pairs.append((key.replace("-", "_"), val))
+        i += 1
+    return pairs
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+    if not Path(path).is_file():
+        raise UserError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise UserError(f"config file {path} is not valid YAML{at}: {problem}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must be a mapping of key: value, got {type(data).__name__}")
+    return data
+
+
+def _coerce(key: str, value):
+    hints = typing.get_type_hints(Config)
+    if key not in hints:
+        close = difflib.get_close_matches(key, list(hints), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UserError(f"unknown config key {key!r}{hint} (python train_ppo.py --help lists them)")
+    kind = hints[key]
+    optional = typing.get_origin(kind) is typing.Union
+    if optional:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes"):
+                return True
+            if str(value).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except ValueError:
+        raise UserError(f"config key {key!r} expects {kind.__name__}, got {value!r}") from None
+
+
+def validate_config(cfg: Config) -> None:
+    """Everything checkable before a model loads; each message names the key and the value."""
+    def need(ok, msg):
+        if not ok:
+            raise UserError(msg)
+
+    for key in ("train_batch_size", "total_training_steps", "rollout_n", "ppo_epochs", "ppo_mini_batch_size",
+                "ppo_micro_batch_size_per_device", "max_prompt_length", "max_response_length", "rollout_micro_batch_size"):
+        need(getattr(cfg, key) > 0, f"{key} must be > 0, got {getattr(cfg, key)}")
+    need(cfg.clip_ratio_c > 1, f"clip_ratio_c must be > 1, got {cfg.clip_ratio_c}")
+    need(cfg.malloc_mmap_threshold_mb >= 0, f"malloc_mmap_threshold_mb must be >= 0, got {cfg.malloc_mmap_threshold_mb}")
+    need(cfg.peak_tflops >= 0, f"peak_tflops must be >= 0 (0 = look the device up), got {cfg.peak_tflops}")
+    need(cfg.kl_ctrl_type in kl.CONTROLLERS, f"kl_ctrl_type must be one of {sorted(kl.CONTROLLERS)}, got {cfg.kl_ctrl_type!r}")
+    if cfg.use_kl_in_reward and cfg.kl_ctrl_type == "adaptive":
+        need(cfg.target_kl > 0, f"target_kl must be > 0 with kl_ctrl_type=adaptive, got {cfg.target_kl}")
+        need(cfg.kl_horizon > 0, f"kl_horizon must be > 0 with kl_ctrl_type=adaptive, got {cfg.kl_horizon}")
+    for key in ("kl_penalty", "kl_loss_type"):
+        need(getattr(cfg, key) in kl.kl_estimator_names(),
+             f"{key} must be one of {kl.kl_estimator_names()}, got {getattr(cfg, key)!r}")
+    need(cfg.adv_estimator in ADV_ESTIMATORS, f"adv_estimator must be one of {ADV_ESTIMATORS}, got {cfg.adv_estimator!r}")
+    need(cfg.loss_agg_mode in LOSS_AGG_MODES, f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {cfg.loss_agg_mode!r}")
+    need(cfg.dtype in ("fp32", "bf16"), f"dtype must be fp32 or bf16, got {cfg.dtype!r}")
+    need(cfg.rollout_engine in ("hf", "vllm"), f"rollout_engine must be hf or vllm, got {cfg.rollout_engine!r}")
+    need(cfg.prompt_truncation in ("error", "left", "drop"),
+         f"prompt_truncation must be error, left or drop, got {cfg.prompt_truncation!r}")
+    need(cfg.temperature > 0, f"temperature must be > 0 for rollouts, got {cfg.temperature}")
+    need(cfg.lr_scheduler_type in ("constant", "cosine"),
+         f"lr_scheduler_type must be constant or cosine, got {cfg.lr_scheduler_type!r}")
+    need(0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    need(0 <= cfg.overlong_buffer_len < cfg.max_response_length,
+         f"overlong_buffer_len must be in [0, max_response_length={cfg.max_response_length}), got {cfg.overlong_buffer_len}")
+    need(0 < cfg.rollback_lr_factor <= 1, f"rollback_lr_factor must be in (0, 1], got {cfg.rollback_lr_factor}")
+    need(cfg.lora_rank >= 0, f"lora_rank must be >= 0, got {cfg.lora_rank}")
+    need(not (cfg.lora_rank and cfg.ref_model_path),
+         f"lora_rank={cfg.lora_rank} uses the base model (adapters disabled) as the reference: drop ref_model_path")
+    need(cfg.save_total_limit > 0, f"save_total_limit must be > 0, got {cfg.save_total_limit}")
+    need(cfg.resume in ("auto", "never") or Path(cfg.resume).is_dir(),
+         f"resume must be auto, never or a checkpoint directory; {cfg.resume} does not exist")
+    need(cfg.val_temperature >= 0, f"val_temperature must be >= 0, got {cfg.val_temperature}")
+    need(0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
+    need(cfg.top_k == -1 or cfg.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {cfg.top_k}")
+    for key in ("actor_lr", "critic_lr", "max_grad_norm", "critic_max_grad_norm", "rollout_kv_cache_gb",
+                "rollout_sync_bucket_mb", "ppo_max_token_len_per_device"):
+        need(getattr(cfg, key) > 0, f"{key} must be > 0, got {getattr(cfg, key)}")
+    need(0 <= cfg.lr_warmup_steps_ratio <= 1, f"lr_warmup_steps_ratio must be in [0, 1], got {cfg.lr_warmup_steps_ratio}")
+    for key in ("weight_decay", "lr_warmup_steps", "critic_warmup", "kl_coef", "kl_loss_coef", "log_samples",
+                "reward_clip"):
+        need(getattr(cfg, key) >= 0, f"{key} must be >= 0, got {getattr(cfg, key)}")
+    for key in ("gamma", "lam"):
+        need(0 <= getattr(cfg, key) <= 1, f"{key} must be in [0, 1], got {getattr(cfg, key)}")
+    need(cfg.rollout_on_drift in ("stop", "regenerate"),
+         f"rollout_on_drift must be stop or regenerate, got {cfg.rollout_on_drift!r}")
+    need(cfg.rollout_is in ("off", "token", "sequence"), f"rollout_is must be off, token or sequence, got {cfg.rollout_is!r}")
+    need(cfg.rollout_is_threshold > 0, f"rollout_is_threshold must be > 0, got {cfg.rollout_is_threshold}")
+    need(cfg.rollout_sleep_level in (1, 2), f"rollout_sleep_level must be 1 or 2, got {cfg.rollout_sleep_level}")
+    need(0 < cfg.rollout_gpu_memory_utilization <= 1,
+         f"rollout_gpu_memory_utilization must be in (0, 1], got {cfg.rollout_gpu_memory_utilization}")
+    for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "cliprange_value"):
+        value = getattr(cfg, key)
+        need(value is None or value > 0, f"{key} must be > 0, got {value}")
+    for key in ("critic_ppo_mini_batch_size", "critic_ppo_micro_batch_size_per_device", "critic_ppo_epochs",
+                "critic_ppo_max_token_len_per_device", "log_prob_micro_batch_size_per_device"):
+        need(getattr(cfg, key) is None or getattr(cfg, key) > 0, f"{key} must be > 0 (or None), got {getattr(cfg, key)}")
+    for role in ("actor", "critic"):
+        sched, key = schedule(cfg, role), "ppo_mini_batch_size" if role == "actor" else "critic_ppo_mini_batch_size"
+        need(cfg.train_batch_size % sched.mini_batch == 0,
+             f"train_batch_size ({cfg.train_batch_size}) must be a multiple of {key} ({sched.mini_batch})")
+        need(not cfg.use_dynamic_bsz or sched.max_tokens >= cfg.max_prompt_length + cfg.max_response_length,
+             f"{role}'s token budget {sched.max_tokens} must hold one whole sequence (max_prompt_length + "
+             f"max_response_length = {cfg.max_prompt_length + cfg.max_response_length})")
+    need(cfg.adv_estimator == "gae" or cfg.rollout_n > 1 or cfg.adv_estimator == "reinforce_plus_plus",
+         f"adv_estimator={cfg.adv_estimator} compares samples of one prompt: set rollout_n > 1 (got {cfg.rollout_n})")
+    need(cfg.reward_fn or cfg.reward_model_path, "set reward_fn ('module:function') or reward_model_path")
+    for key in ("model_path", "critic_model_path", "ref_model_path", "reward_model_path"):
+        path = getattr(cfg, key)
+        need(not path or Path(path).is_dir(), f"{key}: model directory {path} "
+             + ("is a file: give the directory that holds config.json" if Path(path).is_file() else "does not exist"))
+    if cfg.entropy_floor:
+        need(cfg.entropy_floor > 0, f"entropy_floor must be >= 0, got {cfg.entropy_floor}")
+        need(cfg.entropy_floor_temperature is not None or cfg.entropy_floor_coeff is not None,
+             f"entropy_floor={cfg.entropy_floor} needs a reaction: set entropy_floor_temperature and/or "
+             "entropy_floor_coeff")
+        need(cfg.entropy_floor_temperature is None or cfg.entropy_floor_temperature > 0,
+             f"entropy_floor_temperature must be > 0, got {cfg.entropy_floor_temperature}")
+        need(cfg.entropy_recover == 0 or cfg.entropy_recover > cfg.entropy_floor,
+             f"entropy_recover ({cfg.entropy_recover}) must be 0 (never) or above entropy_floor ({cfg.entropy_floor})")
+    need(cfg.sft_coef >= 0 and cfg.sft_batch_size >= 0,
+         f"sft_coef and sft_batch_size must be >= 0, got {cfg.sft_coef} and {cfg.sft_batch_size}")
+    for key in ("train_files", "val_files", "sft_files"):
+        for path in _split_files(getattr(cfg, key)):
+            need(not Path(path).is_dir(), f"{key}: {path} is a directory; give parquet or jsonl files, comma-separated")
+            need(Path(path).is_file(), f"{key}: file {path} does not exist")
+    need(_split_files(cfg.train_files), "train_files is empty: give at least one parquet or jsonl file")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How one trained model goes over a step's rollouts; the critic may have its own, as in verl."""
+    mini_batch: int      # prompts per optimizer step (all ranks)
+    micro_batch: int     # sequences per forward/backward on one device
+    epochs: int
+    max_tokens: int      # use_dynamic_bsz: tokens per micro-batch; 0 = by sequence count
+
+
+def schedule(cfg: Config, role: str) -> Schedule:
+    """role: actor | critic. A critic_ key left at None takes the actor's value."""
+    def own(key):
+        value = getattr(cfg, f"critic_{key}") if role == "critic" else None
+        return getattr(cfg, key) if value is None else value
+    return Schedule(own("ppo_mini_batch_size"), own("ppo_micro_batch_size_per_device"), own("ppo_epochs"),
+                    own("ppo_max_token_len_per_device") if cfg.use_dynamic_bsz else 0)
+
+
+def critic_checkpointing(cfg: Config) -> bool:
+    return cfg.gradient_checkpointing if cfg.critic_gradient_checkpointing is None else cfg.critic_gradient_checkpointing
+
+
+def _split_files(files: str) -> list[str]:
+    return [f.strip() for f in files.split(",") if f.strip()]

@@ -1,0 +1,1 @@
+"""Distribution: Accelerate/DeepSpeed wiring (plugins.py, prepare.py) and reductions across ranks."""

@@ -1,0 +1,65 @@
+"""The script's config turned into Accelerate/DeepSpeed wiring: each model's role and the engines
+prepared (plugins.py does the DeepSpeed side with plain values).
+"""
+from __future__ import annotations
+
+
+from config import Config, schedule
+from distribution import plugins as distributed
+from distribution.plugins import Role, param_share
+from errors import UserError
+from modeling.loading import make_optimizer
+
+
+def make_accelerator(cfg: Config):
+    """-> (accelerator, ds): each model's role (trained or frozen, micro-batch, clipping, offload)
+    decides its DeepSpeed engine config under `accelerate launch` with DeepSpeed."""
+    roles = {"actor": Role(True, schedule(cfg, "actor").micro_batch, cfg.max_grad_norm)}
+    if cfg.adv_estimator == "gae":
+        roles["critic"] = Role(True, schedule(cfg, "critic").micro_batch, cfg.critic_max_grad_norm)
+    if cfg.use_kl_in_reward or cfg.use_kl_loss:
+        roles["ref"] = Role(False, schedule(cfg, "actor").micro_batch, offload=cfg.ref_offload)
+    if cfg.reward_model_path:
+        roles["reward"] = Role(False, schedule(cfg, "actor").micro_batch, offload=cfg.reward_offload)
+    owned = {"train_micro_batch_size_per_gpu": ("ppo_micro_batch_size_per_device", cfg.ppo_micro_batch_size_per_device),
+             "gradient_clipping": ("max_grad_norm", cfg.max_grad_norm)}
+    return distributed.make_accelerator(cfg.dtype == "bf16", roles, owned)
+
+
+def check_world_size(cfg: Config, world: int) -> None:
+    for key in ("train_batch_size", "ppo_mini_batch_size", "critic_ppo_mini_batch_size", "sft_batch_size"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) % world:
+            raise UserError(f"{key}={getattr(cfg, key)} is not divisible by the {world} processes: change {key} "
+                            f"or num_processes")
+
+
+def prepare_models(accelerator, ds: bool, cfg: Config, actor, critic, ref, reward_model):
+    """Trained models with their optimizers (and DeepSpeed engines under DeepSpeed); frozen ones as
+    inference-only engines, or simply moved to the device."""
+    def select(name):
+        if ds:
+            accelerator.state.select_deepspeed_plugin(name)
+
+    actor_optim, actor_sched = make_optimizer(actor, cfg.actor_lr, cfg)
+    select("actor")
+    actor, actor_optim = accelerator.prepare(actor, actor_optim)
+    critic_optim = critic_sched = None
+    if critic is not None:
+        critic_optim, critic_sched = make_optimizer(critic, cfg.critic_lr, cfg)
+        select("critic")
+        critic, critic_optim = accelerator.prepare(critic, critic_optim)
+    frozen = []
+    for name, model in (("ref", ref), ("reward", reward_model)):
+        if model is not None and ds:
+            select(name)
+            model = accelerator.prepare(model)
+            model.eval()
+        elif model is not None:
+            model = model.to(accelerator.device)
+        frozen.append(model)
+    select("actor")
+    local, total = param_share(actor)
+    if accelerator.num_processes > 1:
+        print(f"rank {accelerator.process_index}/{accelerator.num_processes}: actor holds {local} of {total} "
+              f"parameters ({100 * local / total:.1f}%)", flush=True)
+    return actor, actor_optim, actor_sched, critic, critic_optim, critic_sched, frozen[0], frozen[1]

@@ -1,0 +1,42 @@
+"""Reductions across ranks: rows gathered, metrics averaged once per step, counts agreed on.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+
+def max_over_ranks(accelerator):
+    """count -> the largest count of any rank; a collective, so every rank calls it together."""
+    def agree(count: int) -> int:
+        if accelerator.num_processes == 1:
+            return count
+        return int(accelerator.gather(torch.tensor([count], device=accelerator.device)).max())
+    return agree
+
+
+def gather_rows(accelerator, t):
+    """Every rank's [b, R_rank] rows -> the whole batch [B, R_max] on every rank, in rank order."""
+    return accelerator.gather(accelerator.pad_across_processes(t, dim=1))
+
+
+def reduce_metrics(accelerator, metrics: dict) -> dict:
+    """Mean of each metric over the ranks where it is not NaN (NaN where it is on all), all in one
+    collective, after a 2-number one that checks every rank has the same keys: ranks reducing
+    different key lists would hang, or abort, or pair values with the wrong names."""
+    if accelerator.num_processes == 1:
+        return metrics
+    keys = sorted(metrics)
+    signature = torch.tensor([len(keys), zlib.crc32("\n".join(keys).encode())], dtype=torch.float64,
+                             device=accelerator.device)
+    if (accelerator.gather(signature).view(-1, 2) != signature).any():
+        from accelerate.utils import gather_object
+        every = gather_object([keys])
+        odd = sorted(set().union(*every) - set.intersection(*map(set, every)))
+        raise RuntimeError(f"ranks reduce different metric keys (a metric must not depend on a rank's data): {odd}")
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)  # [n]
+    seen = ~values.isnan()                                                                                   # [n]
+    sums = accelerator.reduce(torch.cat([torch.where(seen, values, 0.0), seen.double()]), reduction="sum")   # [2n]
+    total, count = sums[:len(keys)], sums[len(keys):]
+    return dict(zip(keys, torch.where(count > 0, total / count.clamp(min=1), float("nan")).tolist()))

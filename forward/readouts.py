@@ -1,0 +1,166 @@
+"""The forward paths that read a model: the actor's and ref's per-token log-probs (through the LM
+head, packed rows where that saves work), the critic's values and the reward model's scores.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from core_algos import entropy_from_logits
+from forward import packing
+from forward.head_logprobs import head_logprobs, support_logprobs, truncated_logprobs
+
+
+def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool = False,
+                      entropy_grad: bool = False, truncation: tuple[int, float] | None = None):
+    """Log-prob (and entropy) of each response token under `model` -> [B, R] each; with
+    truncation=(top_k, top_p) also, third, the log-prob under the distribution a sampler with those
+    settings draws from (cut and renormalised, no grad), from the same forward pass.
+    Only the B x R positions that predict response tokens reach the LM head. There the chunked
+    head_logprobs takes the head's input and computes both without ever holding the [B, R, V]
+    logits; the head itself is handed an empty input, and the model's own logit scale and soft-cap
+    (load_models' head_transform) are applied there. Where that cannot be done (a head with a bias
+    or an adapter, other post-processing of the logits, or ZeRO-3, whose partitioned weight exists
+    only inside the head's own forward) the logits are made and reduced one sequence at a time. The entropy builds a graph
+    only when it is part of the loss (entropy_grad)."""
+    B, R = batch["responses"].shape
+    head = _unwrap(model).get_output_embeddings()
+    transform = getattr(_unwrap(model), "head_transform", (1.0, None))    # set by load_models
+    fused = (transform is not None and type(head) is torch.nn.Linear and head.bias is None
+             and not hasattr(head.weight, "ds_id"))
+    captured = []
+    hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]) or (args[0][:, :0],)) \
+        if fused else None
+    try:
+        packed = _packed(model, batch)
+        W = batch["input_ids"].shape[1]
+        keep = (packed.response_index.reshape(-1) if packed is not None         # [B * R] or [R]
+                else torch.arange(W - R - 1, W - 1, device=batch["input_ids"].device))
+        out = _forward(model, batch, packed, logits_to_keep=keep)
+    finally:
+        if hook is not None:
+            hook.remove()
+    if fused:
+        hidden = captured[0]                                                      # [B, R, H] or [1, B * R, H]
+        logprob, entropy = head_logprobs(hidden.reshape(B * R, -1), head.weight, batch["responses"].reshape(-1),
+                                         temperature, *transform)
+        logprob, entropy = logprob.view(B, R), entropy.view(B, R)
+        entropy = (entropy if entropy_grad else entropy.detach()) if with_entropy else None
+        if truncation is None:
+            return logprob, entropy
+        truncated = truncated_logprobs(hidden.reshape(B * R, -1), head.weight, batch["responses"].reshape(-1),
+                                       temperature, *truncation, *transform)
+        return logprob, entropy, truncated.view(B, R)
+    logits = out.logits.view(B, R, -1)                                            # [B, R, V]
+    logprob = torch.stack([_token_logprobs(_scaled(row, temperature), tokens)
+                           for row, tokens in zip(logits, batch["responses"])])  # [B, R]
+    entropy = None
+    if with_entropy:
+        with nullcontext() if entropy_grad else torch.no_grad():
+            entropy = torch.stack([entropy_from_logits(_scaled(row, temperature)) for row in logits])  # [B, R]
+    if truncation is None:
+        return logprob, entropy
+    with torch.no_grad():
+        truncated = torch.stack([support_logprobs(_scaled(row, temperature), tokens, *truncation)
+                                 for row, tokens in zip(logits, batch["responses"])])  # [B, R]
+    return logprob, entropy, truncated
+
+
+@torch.no_grad()
+def head_transform(model):
+    """-> ((scale, softcap), None) when head_logprobs, fed the LM head's input with that scale and
+    soft-cap, gives `model`'s own logits; (None, why) when it cannot (another post-processing, a
+    head that is not a bias-free linear layer). Decided once at load on a short sequence; the
+    plain path, which reads the model's own logits, serves the rest."""
+    model = _unwrap(model)
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None, "its LM head is not a bias-free linear layer"
+    if hasattr(head.weight, "ds_id"):   # partitioned at load (ZeRO-3 init): the plain path reads the model's own logits
+        return None, None
+    config = model.config.get_text_config()
+    scale = float(getattr(config, "logit_scale", None) or 1.0)                      # Cohere: multiplies
+    scale /= float(getattr(config, "logits_scaling", None) or 1.0)                  # Granite: divides
+    softcap = getattr(config, "final_logit_softcapping", None)                      # Gemma 2/3
+    captured = []
+    hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    try:
+        ids = torch.arange(3, 11, device=head.weight.device)[None] % head.weight.shape[0]   # [1, 8]
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()                     # [8, V]
+    finally:
+        hook.remove()
+    mine = captured[-1][0].float() @ head.weight.float().t() * scale                       # [8, V]
+    if softcap is not None:
+        mine = torch.tanh(mine / softcap) * softcap
+    error = float((mine - logits).abs().max()) / max(1.0, float(logits.abs().max()))
+    if error <= (1e-4 if head.weight.dtype == torch.float32 else 2e-2):
+        return (scale, softcap), None
+    return None, f"its forward post-processes the logits in a way the chunked head does not (difference {error:.2g})"
+
+
+def _packed(model, batch: dict):
+    """The micro-batch packed into one row (packing.Packed), or None to run it padded: packed when
+    `model`'s attention keeps the sequences of a row apart and packing drops enough padding to pay
+    (every rank runs one pass either way)."""
+    if _unwrap(model).config._attn_implementation in packing.PACKED_ATTENTION and packing.worth_it(batch):
+        return packing.pack(batch)
+    return None
+
+
+def _forward(model, batch: dict, packed, **kwargs):
+    """model on a micro-batch: packed into one row (`packed`, from packing.pack), or padded."""
+    if packed is None:
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     position_ids=batch["position_ids"], use_cache=False, **kwargs)
+    with packing.attention():
+        return model(**packed.model_inputs(), use_cache=False, **kwargs)
+
+
+def _unwrap(model):
+    """The Hugging Face model inside a DeepSpeed engine, a DDP wrapper or a PEFT model."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _token_logprobs(logits, tokens):
+    # gather minus logsumexp (verl's form): no [R, V] log-softmax output is made
+    return logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)   # [R]
+
+
+def _scaled(logits, temperature: float):
+    logits = logits.float()                                                       # a no-op in fp32
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def critic_values(critic, batch: dict):
+    """V(s_t) for the state before each response token -> [B, R]."""
+    R = batch["responses"].shape[1]
+    packed = _packed(critic, batch)
+    out = _forward(critic, batch, packed)
+    if packed is not None:
+        return out.logits[0, packed.response_index, 0].float()                    # [B, R]
+    return out.logits[:, -R - 1:-1, 0].float()                                    # [B, R]
+
+
+def reward_model_scores(reward_model, batch: dict):
+    """The reward model's score of each whole sequence, read at its last real token by position
+    (the attention mask), where it was trained to score -> [B]. Hugging Face's sequence
+    classifiers find that token through pad_token_id instead, which with pad == EOS reads the
+    token before the EOS; so the head's per-token output is taken from a hook."""
+    head = _unwrap(reward_model).score                                            # the classifier head
+    captured = []
+    hook = head.register_forward_hook(lambda module, args, out: captured.append(out))
+    packed = _packed(reward_model, batch)
+    try:
+        _forward(reward_model, batch, packed)
+    finally:
+        hook.remove()
+    per_token = captured[0][..., 0].float()                                       # [B, W] or [1, T]
+    if packed is not None:
+        return per_token[0, packed.last_index]                                    # [B]
+    mask = batch["attention_mask"]
+    positions = torch.arange(mask.shape[1], device=mask.device)                   # [W]
+    last = (positions * mask).argmax(-1)                                          # [B]
+    return per_token[torch.arange(mask.shape[0], device=mask.device), last]      # [B]

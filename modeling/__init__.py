@@ -1,0 +1,1 @@
+"""Models: loading (actor, critic, ref, reward model, tokenizer, LoRA), the optimizer, value heads."""

@@ -1,0 +1,1 @@
+"""Prompt and SFT sets (read, rendered, tokenized) and the streams that order them."""

@@ -1,0 +1,134 @@
+"""Scoring: the reward function (reward_fn "module:function") or reward model turned into one
+score per sequence, then shaped (clipping, overlong penalty) and placed on the last response token.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from config import Config
+from core_algos import overlong_penalty
+from errors import UserError, first_line
+from forward.batch import forward_in_micro_batches
+from forward.readouts import reward_model_scores
+from prompts.sets import PromptSet
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_reward_fn(spec: str):
+    if ":" not in spec:
+        raise UserError(f"reward_fn must look like 'module:function', got {spec!r}")
+    module, name = spec.split(":", 1)
+    sys.path.insert(0, str(ROOT))   # rewards/ ships in the repository root
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and (module == e.name or module.startswith(e.name + ".")):
+            raise UserError(f"reward_fn {spec!r}: no module named {e.name!r} on the Python path (this repository and "
+                            f"PYTHONPATH): add the module's directory to PYTHONPATH") from None
+        raise UserError(f"reward_fn {spec!r}: importing {module} raised {_raised_at(e, module)}") from None
+    except Exception as e:   # the user's code runs at import: a SyntaxError, or anything it raises
+        raise UserError(f"reward_fn {spec!r}: importing {module} raised {_raised_at(e, module)}") from None
+    fn = getattr(mod, name, None)
+    if fn is None:
+        raise UserError(f"reward_fn {spec!r}: module {module} ({getattr(mod, '__file__', '?')}) has no {name!r}")
+    if not callable(fn):
+        raise UserError(f"reward_fn {spec!r}: {module}.{name} = {fn!r:.40} is not a function")
+    import inspect
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):   # some builtins have none to check
+        return fn
+    try:   # called as fn(prompts, responses, **columns): refused now rather than after the first rollout
+        signature.bind([], [], **{column: [] for column in reward_fn_columns(fn)})
+    except TypeError as e:
+        raise UserError(f"reward_fn {spec!r}: {name}{signature} cannot be called as {name}(prompts, responses, "
+                        f"<dataset columns as keywords>): {e}") from None
+    return fn
+
+
+def _raised_at(e: BaseException, module: str) -> str:
+    """'Type: message (file, line N)': where the import raised, in the module's own file if it
+    appears in the traceback (else the innermost frame)."""
+    if isinstance(e, SyntaxError):
+        return f"SyntaxError: {e.msg} ({e.filename}, line {e.lineno})"
+    import traceback
+    frames = traceback.extract_tb(e.__traceback__)
+    own = module.replace(".", os.sep)
+    mine = [f for f in frames if f.filename.endswith((own + ".py", os.path.join(own, "__init__.py")))]
+    at = (mine or frames)[-1:]
+    return f"{type(e).__name__}: {first_line(e)}" + (f" ({at[0].filename}, line {at[0].lineno})" if at else "")
+
+
+def reward_fn_columns(fn) -> list[str]:
+    """A reward function's parameters after (prompts, responses) name dataset columns it needs."""
+    import inspect
+    params = list(inspect.signature(fn).parameters.values())[2:]
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def score_with_fn(fn, spec: str, prompts: list[str], responses: list[str], columns: dict,
+                  allow_nonfinite: bool = False) -> torch.Tensor:
+    """One finite float per sample, or a UserError naming the sample (with allow_nonfinite, NaN/inf
+    pass through for the caller to drop)."""
+    try:
+        scores = list(fn(prompts, responses, **columns))
+    except Exception as e:
+        raise UserError(f"reward_fn {spec} raised {type(e).__name__}: {e} (batch of {len(prompts)}, first prompt "
+                        f"{prompts[0]!r}, response {responses[0]!r})") from e
+    if len(scores) != len(prompts):
+        raise UserError(f"reward_fn {spec} returned {len(scores)} scores for {len(prompts)} samples")
+    for i, s in enumerate(scores):
+        if not isinstance(s, (int, float)) or not (math.isfinite(s) or allow_nonfinite):
+            raise UserError(f"reward_fn {spec} returned {s!r} for sample {i}: prompt {prompts[i]!r}, "
+                            f"response {responses[i]!r}")
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+class Scorer:
+    """The reward: a verifier/reward function on decoded text, or a reward model on token ids."""
+
+    def __init__(self, cfg: Config, tokenizer, reward_model):
+        self.cfg, self.tokenizer, self.reward_model = cfg, tokenizer, reward_model
+        self.fn = None if cfg.reward_model_path else load_reward_fn(cfg.reward_fn)
+        self.is_verifier = bool(getattr(self.fn, "is_verifier", False))
+        self.columns = reward_fn_columns(self.fn) if self.fn else []
+
+    def __call__(self, prompts: PromptSet, responses: list[list[int]], batch: dict, micro: int) -> torch.Tensor:
+        if self.reward_model is not None:
+            scores = forward_in_micro_batches(lambda mb: reward_model_scores(self.reward_model, mb), batch, micro)
+        else:
+            texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+            scores = score_with_fn(self.fn, self.cfg.reward_fn, prompts.texts, texts, prompts.columns,
+                                   self.cfg.skip_nonfinite_rewards)
+        return scores                                                             # [B]
+
+
+def shape_scores(cfg: Config, scores, lengths, truncated, valid=None):
+    """Training rewards from raw scores: DAPO overlong shaping, the truncation penalty, then
+    clipping; a dropped sample (valid False: a non-finite score) gets 0, no penalty. Validation
+    and reward/* metrics report the raw scores."""
+    if cfg.overlong_buffer_len > 0:
+        scores = scores + overlong_penalty(lengths, cfg.max_response_length, cfg.overlong_buffer_len,
+                                           cfg.overlong_penalty_factor)
+    if cfg.truncation_penalty:
+        scores = scores - cfg.truncation_penalty * truncated.to(scores.dtype)
+    if cfg.reward_clip > 0:
+        scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
+    if valid is not None:
+        scores = torch.where(valid, scores, torch.zeros_like(scores))
+    return scores                                                                 # [B]
+
+
+def place_scores(scores, response_mask):
+    """A sequence's score sits on its last real response token -> [B, R]."""
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)                        # [B]
+    token_scores = torch.zeros(response_mask.shape, dtype=scores.dtype, device=response_mask.device)
+    token_scores[torch.arange(len(scores)), last] = scores
+    return token_scores

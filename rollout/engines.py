@@ -1,0 +1,31 @@
+"""The rollout engine a run uses: vLLM in this process, or the hf engine on the actor itself.
+"""
+from __future__ import annotations
+
+import sys
+
+from config import Config
+from errors import UserError
+
+
+def make_engine(cfg: Config, actor, tokenizer, contexts, world: int, rank: int, kind: str = ""):
+    """The rollout engine of `kind` (default cfg.rollout_engine). vLLM runs in this process (one
+    engine per rank) and gets the actor's weights after every update; the hf engine generates on
+    the actor itself."""
+    from rollout.hf import HFEngine
+    if (kind or cfg.rollout_engine) == "vllm":
+        from rollout.vllm import VLLMEngine
+        try:
+            return VLLMEngine(cfg.model_path, dtype=cfg.dtype, seed=cfg.seed + rank,
+                              max_model_len=cfg.max_prompt_length + cfg.max_response_length,
+                              kv_cache_gb=cfg.rollout_kv_cache_gb,
+                              gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
+                              enable_sleep_mode=cfg.rollout_sleep, distributed=world > 1,
+                              enforce_eager=cfg.rollout_enforce_eager, sleep_level=cfg.rollout_sleep_level,
+                              eos_token_id=tokenizer.eos_token_id)
+        except RuntimeError as e:
+            if not cfg.rollout_fallback_hf:
+                raise UserError(f"{e}\n(or set rollout_fallback_hf=true to generate with the hf engine)") from None
+            print(f"warning: vLLM did not start, generating with the hf engine (rollout_fallback_hf): {e}",
+                  file=sys.stderr)
+    return HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout_micro_batch_size, contexts)
