@@ -4,3 +4,24 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def zero3_run(tmp_path_factory):
+    """zero3_run(engine) -> (tmp, out, proc): the 2-process ZeRO-3 run (accelerate_configs/zero3.yaml,
+    test_distributed.SHARED) with that rollout engine, launched once per session on first use and
+    read by every test that checks such a run (test_distributed, test_sampling_truncation)."""
+    runs = {}
+
+    def get(engine: str):
+        if engine not in runs:
+            from test_distributed import ROOT, SHARED, SHARED_ENGINE, launch
+            tmp = tmp_path_factory.mktemp(f"zero3_{engine}")
+            proc = launch(tmp, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={tmp / 'out'}", *SHARED,
+                          *SHARED_ENGINE[engine])
+            runs[engine] = (tmp, tmp / "out", proc)
+        return runs[engine]
+    return get
