@@ -25,3 +25,13 @@ def zero3_run(tmp_path_factory):
             runs[engine] = (tmp, tmp / "out", proc)
         return runs[engine]
     return get
+
+
+@pytest.fixture(scope="session")
+def vllm_run(tmp_path_factory):
+    """(tmp, out, proc): the single-process vLLM run of test_e2e.VLLM_RUN (3 steps, a checkpoint
+    every step), read by test_e2e's sync test and, as the uninterrupted run, by test_resume's
+    vLLM resume test."""
+    from test_e2e import VLLM_RUN, run
+    tmp = tmp_path_factory.mktemp("vllm")
+    return tmp, tmp / "out", run(tmp, f"--output_dir={tmp / 'out'}", *VLLM_RUN)

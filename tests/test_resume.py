@@ -237,14 +237,15 @@ def test_a_different_length_under_the_cosine_schedule_is_refused_naming_the_key(
 
 
 @pytest.mark.slow
-def test_vllm_resume_samples_what_the_uninterrupted_run_samples(tmp_path):
-    """The vLLM engine's per-request seed counter is in the checkpoint: 1 step, stop, resume to 2
-    gives the uninterrupted 2-step run's numbers (same machine, same layout: exactly)."""
-    vllm = ["--rollout_engine=vllm", "--test_freq=-1", "--val_before_train=false", "--save_freq=1"]
-    proc = run(tmp_path, tmp_path / "full", *vllm, "--total_training_steps=2")
+def test_vllm_resume_samples_what_the_uninterrupted_run_samples(tmp_path, vllm_run):
+    """The vLLM engine's per-request seed counter is in the checkpoint: 2 steps, stop, resume to 3
+    gives the uninterrupted 3-step run's numbers (same machine, same layout: exactly). The
+    uninterrupted run is test_e2e's shared vLLM run (conftest.vllm_run), validation included."""
+    from test_e2e import VLLM_RUN
+    _, full, proc = vllm_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for steps in (1, 2):
-        proc = run(tmp_path, tmp_path / "part", *vllm, f"--total_training_steps={steps}")
+    for steps in (2, 3):
+        proc = run(tmp_path, tmp_path / "part", *VLLM_RUN, f"--total_training_steps={steps}")
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout
-    assert comparable(records(tmp_path / "part")) == comparable(records(tmp_path / "full"))
+    assert comparable(records(tmp_path / "part")) == comparable(records(full))
