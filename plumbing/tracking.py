@@ -161,6 +161,7 @@ class MetricSender:
         self.client, self.run_id = client, run_id
         self.pending: list[tuple[int, dict]] = []
         self.lock, self.wake, self.closing = threading.Lock(), threading.Event(), False
+        self.closed = threading.Event()   # set by close(): cuts a back-off wait short
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
@@ -190,12 +191,16 @@ class MetricSender:
                         self.pending.remove((step, metrics))
                 backoff = 1.0
             except Exception:
-                backoff = min(backoff * 2, 30.0)
-                time.sleep(backoff)
+                # while the run trains, back off up to 30 s (put() wakes the loop every step anyway);
+                # once the run is closing, retry every second so that a server back within close()'s
+                # window gets everything (an uninterruptible 30 s sleep here could outlast it)
+                backoff = 1.0 if self.closing else min(backoff * 2, 30.0)
+                self.closed.wait(backoff)
 
     def close(self, timeout: float) -> list[int]:
         """Wait up to `timeout` seconds for everything to be sent -> the steps that were not."""
         self.closing = True
+        self.closed.set()
         self.wake.set()
         self.thread.join(timeout)
         with self.lock:

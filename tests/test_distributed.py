@@ -24,6 +24,10 @@ RUN = ["--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--p
        "--ppo_epochs=1", "--total_training_steps=2", "--test_freq=2", "--rollout_ignore_eos=true",
        "--max_response_length=4"]
 TOKENS_PER_STEP = 16 * 2 * (6 + 4)   # all ranks together
+# the shared runs (conftest.zero3_run, one per engine) sample under a top-k/top-p cut, which
+# test_sampling_truncation reads from the same runs (the cut log-probs under a partitioned head)
+SHARED = [*RUN, "--top_k=20", "--top_p=0.6", "--rollout_is=token", "--rollout_max_logprob_diff=0.01"]
+SHARED_ENGINE = {"hf": [], "vllm": ["--rollout_engine=vllm", "--rollout_sync_bucket_mb=0.5", "--rollout_kv_cache_gb=0.25"]}
 
 USER_STYLE_CONFIG = """\
 compute_environment: LOCAL_MACHINE
@@ -62,9 +66,8 @@ def assert_zero3_sharded(output: str) -> None:
         assert int(local) / int(total) == pytest.approx(0.5, abs=0.02)
 
 
-def test_zero3_two_processes(tmp_path):
-    out = tmp_path / "out"
-    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}", *RUN)
+def test_zero3_two_processes(zero3_run):
+    _, out, proc = zero3_run("hf")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert_zero3_sharded(proc.stdout + proc.stderr)
 
@@ -105,11 +108,9 @@ def test_deepspeed_json_that_contradicts_the_script_is_named(tmp_path):
     assert "train_micro_batch_size_per_gpu=4 but ppo_micro_batch_size_per_device=8" in proc.stderr
 
 
-def test_zero3_two_processes_with_vllm(tmp_path):
+def test_zero3_two_processes_with_vllm(zero3_run):
     """One in-process vLLM engine per rank, weights gathered from ZeRO-3 shards bucket by bucket."""
-    out = tmp_path / "out"
-    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}", *RUN,
-                  "--rollout_engine=vllm", "--rollout_sync_bucket_mb=0.5", "--rollout_max_logprob_diff=0.01")
+    _, out, proc = zero3_run("vllm")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]

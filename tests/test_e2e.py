@@ -164,13 +164,17 @@ def test_reward_returning_nan_stops_naming_the_sample_and_keeps_earlier_steps(tm
     assert [r["step"] for r in read_metrics(out)] == [1]
 
 
+# the shared vLLM run (conftest.vllm_run); test_resume resumes the same configuration (validation
+# before training only: a shorter run validates at its last step, which the 3-step run does not)
+VLLM_RUN = ["--rollout_engine=vllm", "--total_training_steps=3", "--test_freq=-1", "--save_freq=1",
+            "--rollout_max_logprob_diff=0.01", "--rollout_is=sequence", *FAST]
+
+
 @pytest.mark.slow
-def test_vllm_engine_run_keeps_sampler_and_actor_in_sync(tmp_path):
+def test_vllm_engine_run_keeps_sampler_and_actor_in_sync(vllm_run):
     """rollout_engine=vllm: the sampler's log-probs must match the actor's recomputed ones at every
     step while the actor moves away from its start (a broken weight sync would make them drift)."""
-    out = tmp_path / "out"
-    proc = run(tmp_path, f"--output_dir={out}", "--rollout_engine=vllm", "--total_training_steps=3", "--test_freq=3",
-               "--rollout_max_logprob_diff=0.01", "--rollout_is=sequence", *FAST)
+    tmp_path, out, proc = vllm_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2, 3]

@@ -80,19 +80,22 @@ def start_and_kill(tmp, out, sig, after_lines, extra_delay):
 
 @pytest.mark.slow
 def test_sigkill_at_random_points_then_resume_matches_the_uninterrupted_run(tmp_path, reference):
+    """Two SIGKILLs at random points, the second in the run that resumed after the first (so a
+    resumed run is killed and resumed as well), then the same command to the end: every step
+    logged once, and the uninterrupted run's numbers (a wrong resume at either point would show in
+    the steps after it)."""
     rng = random.Random(os.getpid())
-    kill_points = [(rng.randint(2, 5), rng.uniform(0, 1.5)) for _ in range(2)]
-    matched = 0
-    for i, (lines, delay) in enumerate(kill_points):
-        out = tmp_path / f"out{i}"
+    first = rng.randint(2, 3)
+    kill_points = [(first, rng.uniform(0, 1.5)), (rng.randint(first + 2, 6), rng.uniform(0, 1.5))]
+    out = tmp_path / "out"
+    for lines, delay in kill_points:   # the second start resumes from the first kill's newest checkpoint
         start_and_kill(tmp_path, out, signal.SIGKILL, lines, delay)
-        proc = run(tmp_path, out)   # resume=auto picks the newest complete checkpoint
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        got = records(out)
-        assert [r["step"] for r in got] == list(range(7)), f"kill point {lines, delay}: steps duplicated or lost"
-        assert comparable(got) == comparable(reference), f"kill point {lines, delay} diverged"
-        matched += 1
-    assert matched == len(kill_points)
+    proc = run(tmp_path, out)   # resume=auto picks the newest complete checkpoint
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout
+    got = records(out)
+    assert [r["step"] for r in got] == list(range(7)), f"kill points {kill_points}: steps duplicated or lost"
+    assert comparable(got) == comparable(reference), f"kill points {kill_points}: diverged"
 
 
 @pytest.mark.slow
@@ -235,14 +238,15 @@ def test_a_different_length_under_the_cosine_schedule_is_refused_naming_the_key(
 
 
 @pytest.mark.slow
-def test_vllm_resume_samples_what_the_uninterrupted_run_samples(tmp_path):
-    """The vLLM engine's per-request seed counter is in the checkpoint: 1 step, stop, resume to 2
-    gives the uninterrupted 2-step run's numbers (same machine, same layout: exactly)."""
-    vllm = ["--rollout_engine=vllm", "--test_freq=-1", "--val_before_train=false", "--save_freq=1"]
-    proc = run(tmp_path, tmp_path / "full", *vllm, "--total_training_steps=2")
+def test_vllm_resume_samples_what_the_uninterrupted_run_samples(tmp_path, vllm_run):
+    """The vLLM engine's per-request seed counter is in the checkpoint: 2 steps, stop, resume to 3
+    gives the uninterrupted 3-step run's numbers (same machine, same layout: exactly). The
+    uninterrupted run is test_e2e's shared vLLM run (conftest.vllm_run), validation included."""
+    from test_e2e import VLLM_RUN
+    _, full, proc = vllm_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for steps in (1, 2):
-        proc = run(tmp_path, tmp_path / "part", *vllm, f"--total_training_steps={steps}")
+    for steps in (2, 3):
+        proc = run(tmp_path, tmp_path / "part", *VLLM_RUN, f"--total_training_steps={steps}")
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout
-    assert comparable(records(tmp_path / "part")) == comparable(records(tmp_path / "full"))
+    assert comparable(records(tmp_path / "part")) == comparable(records(full))

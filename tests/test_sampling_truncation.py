@@ -221,21 +221,16 @@ def test_demo_at_top_p_half_reports_no_drift_and_unit_weights(tmp_path, engine_n
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine_name", ["hf", "vllm"])
-def test_zero3_two_processes_at_top_k_and_top_p_report_no_drift(tmp_path, engine_name):
+def test_zero3_two_processes_at_top_k_and_top_p_report_no_drift(zero3_run, engine_name):
     """The same under `accelerate launch` ZeRO-3 on 2 processes, where the actor's head is
     partitioned, so the cut log-probs come from the per-sequence logits path, and the hf engine
-    samples with gathered weights on each rank: drift ~0 and weights ~1, reduced over both ranks."""
-    out = tmp_path / "out"
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / "zero3.yaml"), "--main_process_port", str(29700 + os.getpid() % 200),
-           str(ROOT / "train_ppo.py"), f"--output_dir={out}", f"--rollout_engine={engine_name}", "--top_k=20",
-           "--top_p=0.6", "--actor_lr=1e-12", "--rollout_is=token", "--rollout_max_logprob_diff=0.01",
-           "--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=8",
-           "--ppo_epochs=1", "--total_training_steps=1", "--test_freq=-1", "--val_before_train=false",
-           "--max_response_length=8", "--rollout_kv_cache_gb=0.25", "--mlflow_log_model=false"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    samples with gathered weights on each rank: drift ~0 and weights ~1, reduced over both ranks.
+    The runs are test_distributed's shared ones (conftest.zero3_run), which sample at top_k=20,
+    top_p=0.6: step 1 samples the initial weights, step 2 the updated ones (vLLM after a sync)."""
+    _, out, proc = zero3_run(engine_name)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    (r,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert r["rollout/logprob_diff"] < 1e-4
-    assert abs(r["rollout_is/weight_mean"] - 1) < 1e-3 and r["rollout_is/clipped_frac"] == 0.0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records[1:]:
+        assert r["rollout/logprob_diff"] < 1e-4
+        assert abs(r["rollout_is/weight_mean"] - 1) < 1e-3 and r["rollout_is/clipped_frac"] == 0.0
