@@ -48,7 +48,12 @@ _TINY = {
     "output_logit_soft_cap": SOFTCAP,
     "logit_scale": 0.5, "logits_scaling": 4.0, "attention_multiplier": 0.5, "query_pre_attn_scalar": 8,
     "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+    # hybrids whose default schedule puts attention beyond the 2 tiny layers: layer 0 recurrent, layer 1 attention
+    "attn_layer_indices": [1], "attn_layer_period": 2, "attn_layer_offset": 1,
 }
+# hybrids whose default layer list is all recurrent (their checkpoints name the attention layers): one of each
+_LAYER_KINDS = {"granitemoehybrid": {key: ["linear_attention", "full_attention"]
+                                     for key in ("layer_types", "layers_block_type")}}   # one list, two names
 _MULTIMODAL_SUBCONFIGS = ("vision_config", "audio_config", "vq_config", "audio_encoder_config")
 
 
@@ -156,7 +161,7 @@ def tiny_config(model_type: str):
             kwargs["max_window_layers"] = 1
     layers = 2
     for key in ("layer_types", "layers_block_type", "mlp_layer_types", "block_types", "attention_layers"):
-        values = getattr(default, key, None)
+        values = _LAYER_KINDS.get(model_type, {}).get(key) or getattr(default, key, None)
         settable = not isinstance(getattr(type(default), key, None), property)   # some derive it from others
         if settable and isinstance(values, (list, tuple)) and values:
             kinds = _layer_kinds(values)
