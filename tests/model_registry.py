@@ -148,13 +148,15 @@ def _layer_kinds(values) -> list:
     return kinds
 
 
-def tiny_config(model_type: str):
-    """A tiny random-model config of `model_type` with its distinguishing features made to bite."""
+def tiny_config(model_type: str, **overrides):
+    """A tiny random-model config of `model_type` with its distinguishing features made to bite;
+    overrides: other tiny values (e.g. wider heads for an engine that needs them), where the config has them."""
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     # a property is derived from other fields (and has no setter): leave it to them
-    kwargs = {k: v for k, v in _TINY.items() if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)}
+    kwargs = {k: v for k, v in {**_TINY, **overrides}.items()
+              if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)}
     if hasattr(default, "use_sliding_window"):      # Qwen2-style: windows only when switched on
         kwargs["use_sliding_window"] = True
         if hasattr(default, "max_window_layers"):   # layer 0 full, layer 1 sliding: the alternation bites
@@ -192,11 +194,11 @@ def tiny_config(model_type: str):
     return config
 
 
-def build(model_type: str, seed: int = 0):
+def build(model_type: str, seed: int = 0, **overrides):
     """The tiny random causal LM of `model_type`, fp32, eval mode."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=torch.float32).eval()
 
 
 def tokenizer():
@@ -210,12 +212,12 @@ def tokenizer():
                                    unk_token="<pad>")
 
 
-def save_tiny(model_type: str, directory, seed: int = 0) -> Path:
+def save_tiny(model_type: str, directory, seed: int = 0, **overrides) -> Path:
     """The tiny model of `model_type` and a tokenizer saved in `directory` -> directory. The
     tokenizer_config names PreTrainedTokenizerFast: transformers 5 otherwise picks the tokenizer
     class from the model type and rebuilds its own pipeline over this vocabulary."""
     directory = Path(directory)
-    build(model_type, seed).save_pretrained(directory)
+    build(model_type, seed, **overrides).save_pretrained(directory)
     tokenizer().save_pretrained(directory)
     path = directory / "tokenizer_config.json"
     config = json.loads(path.read_text())
