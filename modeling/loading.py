@@ -21,20 +21,21 @@ from plumbing import console, lean_imports
 # model type -> why no path here computes its log-probs right yet; load_models refuses these by name
 # (tests/test_conformance.py proves every other family of the registry; README lists these)
 REFUSED: dict[str, str] = {
-    "rwkv": "its recurrent state runs through the left padding of a batch (RWKV takes no attention mask) and "
-            "through the neighbours of a packed row, so neither layout gives its per-sequence log-probs",
-    "xlstm": "its recurrent state runs through the left padding of a batch: the conformance suite finds its "
-             "log-probs 1.3 nats from its own per-sequence forward",
-    "recurrent_gemma": "its recurrent block's state runs through padding: the conformance suite finds its gradients "
-                       "differ from its own per-sequence forward",
-    "cpmant": "the conformance suite finds its log-probs up to 7.9 nats from its own per-sequence forward (its "
-              "position bias and segment inputs are not yet mapped)",
-    "deepseek_v4": "the conformance suite finds its log-probs up to 0.09 nats from its own per-sequence forward "
-                   "(not yet diagnosed)",
-    "trocr": "the text decoder of an image-to-text model; its tiny model fails in the conformance suite (a shape "
-             "mismatch in its forward as loaded here, not yet diagnosed)",
-    "hy_v4": "the conformance suite finds its log-probs up to 0.005 nats from its own per-sequence forward "
-             "(not yet diagnosed)",
+    "rwkv": "it takes no attention mask, so its recurrent state runs through a batch's left padding (1.8 nats off "
+            "on a left-padded row of its own forward; a right-padded row is exact) and through a packed row's "
+            "neighbours",
+    "xlstm": "its recurrent state runs through a batch's left padding (its own forward on a left-padded row is "
+             "1.9 nats from the sequence alone; a right-padded row is exact)",
+    "recurrent_gemma": "its log-probs match its own per-sequence forward (5e-7) but the gradients of its recurrent "
+                       "block differ by up to 0.035 (linear_x.bias), padded and packed; not yet diagnosed",
+    "cpmant": "its own forward on a right-padded row differs from the sequence alone by 43 nats (its attention "
+              "reads the pad tokens after a sequence), and batches pad responses on the right",
+    "deepseek_v4": "its compressed attention reads a batch's left padding (0.25 nats off on a left-padded row of "
+                   "its own forward, even with the attention mask and positions; a right-padded row is exact)",
+    "trocr": "its forward ignores position_ids (learned positions count the left padding: 0.57 nats off on a "
+             "left-padded row of its own forward) and logits_to_keep",
+    "hy_v4": "its own forward on a padded batch differs from each sequence alone by up to 0.009 nats, left- or "
+             "right-padded (pad tokens change the other tokens' outputs)",
 }
 
 

@@ -39,6 +39,10 @@ def _class_for(base_model_class):
     family = next(c for c in base_model_class.__mro__[1:] if issubclass(c, PreTrainedModel))
 
     class ValueModel(family):
+        # the attribute holding the base model; a family whose PreTrainedModel names none (Llama 4's is
+        # "", its causal LM saves the text model as `model.`) takes its base model's own name for it
+        base_model_prefix = family.base_model_prefix or base_model_class.base_model_prefix or "model"
+
         def __init__(self, config):
             super().__init__(config)
             setattr(self, self.base_model_prefix, base_model_class(config))

@@ -48,7 +48,12 @@ _TINY = {
     "output_logit_soft_cap": SOFTCAP,
     "logit_scale": 0.5, "logits_scaling": 4.0, "attention_multiplier": 0.5, "query_pre_attn_scalar": 8,
     "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+    # hybrids whose default schedule puts attention beyond the 2 tiny layers: layer 0 recurrent, layer 1 attention
+    "attn_layer_indices": [1], "attn_layer_period": 2, "attn_layer_offset": 1,
 }
+# hybrids whose default layer list is all recurrent (their checkpoints name the attention layers): one of each
+_LAYER_KINDS = {"granitemoehybrid": {key: ["linear_attention", "full_attention"]
+                                     for key in ("layer_types", "layers_block_type")}}   # one list, two names
 _MULTIMODAL_SUBCONFIGS = ("vision_config", "audio_config", "vq_config", "audio_encoder_config")
 
 
@@ -143,20 +148,22 @@ def _layer_kinds(values) -> list:
     return kinds
 
 
-def tiny_config(model_type: str):
-    """A tiny random-model config of `model_type` with its distinguishing features made to bite."""
+def tiny_config(model_type: str, **overrides):
+    """A tiny random-model config of `model_type` with its distinguishing features made to bite;
+    overrides: other tiny values (e.g. wider heads for an engine that needs them), where the config has them."""
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
     default = cls()
     # a property is derived from other fields (and has no setter): leave it to them
-    kwargs = {k: v for k, v in _TINY.items() if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)}
+    kwargs = {k: v for k, v in {**_TINY, **overrides}.items()
+              if hasattr(default, k) and not isinstance(getattr(cls, k, None), property)}
     if hasattr(default, "use_sliding_window"):      # Qwen2-style: windows only when switched on
         kwargs["use_sliding_window"] = True
         if hasattr(default, "max_window_layers"):   # layer 0 full, layer 1 sliding: the alternation bites
             kwargs["max_window_layers"] = 1
     layers = 2
     for key in ("layer_types", "layers_block_type", "mlp_layer_types", "block_types", "attention_layers"):
-        values = getattr(default, key, None)
+        values = _LAYER_KINDS.get(model_type, {}).get(key) or getattr(default, key, None)
         settable = not isinstance(getattr(type(default), key, None), property)   # some derive it from others
         if settable and isinstance(values, (list, tuple)) and values:
             kinds = _layer_kinds(values)
@@ -187,11 +194,11 @@ def tiny_config(model_type: str):
     return config
 
 
-def build(model_type: str, seed: int = 0):
+def build(model_type: str, seed: int = 0, **overrides):
     """The tiny random causal LM of `model_type`, fp32, eval mode."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=torch.float32).eval()
 
 
 def tokenizer():
@@ -205,12 +212,12 @@ def tokenizer():
                                    unk_token="<pad>")
 
 
-def save_tiny(model_type: str, directory, seed: int = 0) -> Path:
+def save_tiny(model_type: str, directory, seed: int = 0, **overrides) -> Path:
     """The tiny model of `model_type` and a tokenizer saved in `directory` -> directory. The
     tokenizer_config names PreTrainedTokenizerFast: transformers 5 otherwise picks the tokenizer
     class from the model type and rebuilds its own pipeline over this vocabulary."""
     directory = Path(directory)
-    build(model_type, seed).save_pretrained(directory)
+    build(model_type, seed, **overrides).save_pretrained(directory)
     tokenizer().save_pretrained(directory)
     path = directory / "tokenizer_config.json"
     config = json.loads(path.read_text())

@@ -89,14 +89,19 @@ def skewed_batch(seed: int = 0):
 def eager_backbone(path: Path):
     """The checkpoint's own base model, eager attention: the reference forward."""
     from transformers import AutoModelForCausalLM
-    lm = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-    return getattr(lm, lm.base_model_prefix)
+    return base_of(AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval())
+
+
+def base_of(lm):
+    """A causal LM's base model (Llama 4's causal LM names its prefix `language_model` but holds it as `model`)."""
+    base = getattr(lm, lm.base_model_prefix, None)
+    return base if isinstance(base, torch.nn.Module) else lm.model
 
 
 @torch.no_grad()
 def alone(backbone, tokens: list[int]) -> torch.Tensor:
     """Last hidden states of one sequence run alone, no padding -> [T, H]."""
-    return backbone(input_ids=torch.tensor([tokens])).last_hidden_state[0]
+    return backbone(input_ids=torch.tensor([tokens]), use_cache=False).last_hidden_state[0]
 
 
 def layout(model, batch, packed: bool):
@@ -290,12 +295,7 @@ def test_registry_wide_critic_values_and_reward_scores(tmp_path):
 
 
 # families whose critic/reward readout this check does not yet prove (open gaps of issue 18, in the README)
-CRITIC_GAPS = {
-    "bamba": "the per-sequence reference of a hybrid Mamba family fails in the check (get_seq_length on its cache)",
-    "jamba": "the same as bamba",
-    "granitemoehybrid": "the same as bamba",
-    "llama4_text": "the family's weight init expects a rotary_emb attribute on the value-head class",
-}
+CRITIC_GAPS: dict[str, str] = {}
 
 
 def _check_family(model_registry, model_type: str, directory: Path) -> None:
@@ -314,8 +314,7 @@ def _check_family(model_registry, model_type: str, directory: Path) -> None:
         backbone = eager_backbone(lm)
     except ValueError:   # no eager attention (e.g. a recurrent family): its default is the reference
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(lm).eval()
-        backbone = getattr(model, model.base_model_prefix)
+        backbone = base_of(AutoModelForCausalLM.from_pretrained(lm).eval())
     want_v = [(alone(backbone, p + r) @ critic.score.weight.T + 0.25)[:, 0] for p, r in zip(prompts, responses)]
     for packed in (True, False):
         cfg = Config(model_path=str(lm), critic_model_path=str(directory / "rm"), reward_model_path=str(directory / "rm"),
