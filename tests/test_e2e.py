@@ -176,6 +176,7 @@ def test_vllm_engine_run_keeps_sampler_and_actor_in_sync(vllm_run):
     step while the actor moves away from its start (a broken weight sync would make them drift)."""
     tmp_path, out, proc = vllm_run
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "computes this model" not in proc.stderr   # fresh weights: vLLM computes Qwen2 as transformers does
     records = read_metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for r in records[1:]:
