@@ -32,7 +32,7 @@ import kl
 from config import Config, HERE, _split_files, config_warnings, critic_checkpointing, load_config, schedule
 from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_reinforce_pp_advantages,
                         compute_reinforce_pp_baseline_advantages, compute_rloo_advantages, explained_variance,
-                        kl_in_reward, masked_mean, policy_loss, rollout_is_weights, value_loss)
+                        kl_in_reward, masked_mean, place_scores, policy_loss, rollout_is_weights, value_loss)
 from distribution import plugins as distributed
 from distribution.plugins import gathered_params, param_share
 from distribution.prepare import check_world_size, make_accelerator, prepare_models
@@ -51,7 +51,7 @@ from plumbing.host_memory import peak_memory_gb
 from plumbing.tracking import Tracker, run_tags
 from prompts.sets import PromptSet, load_prompts, load_sft
 from prompts.streams import PromptStream, SFTStream, sft_batch_size
-from rewards.scoring import Scorer, place_scores, shape_scores
+from rewards.scoring import Scorer, shape_scores
 from rollout import SamplingParams
 from rollout.engines import make_engine
 from rollout.sync import actor_weights
@@ -471,7 +471,8 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict) -
         if nonfinite.any():   # those samples take no part in the update
             scores, mask[nonfinite] = torch.where(nonfinite, 0.0, scores), 0.0
         truncated = is_truncated(rollout.responses, tokenizer.eos_token_id, cfg.max_response_length)
-        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), ~nonfinite), mask)
+        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), ~nonfinite), mask,
+                                    cfg.reward_placement, cfg.reward_decay)
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
     with timed(times, "forward"), run.autocast():
