@@ -121,3 +121,131 @@ def test_acc_counts_right_and_wrong_and_needs_a_verifier():
     part = Sampled([0], [[5, EOS], [6, EOS]], None, t([1.0, 0.0]))
     with pytest.raises(UserError, match="acc needs a verifier"):
         group_metric(Config(filter_groups_metric="acc"), part, EOS, is_verifier=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end: the script on the demo model, with a reward under which chosen prompts' groups are
+# constant. A prompt "a+b=" with a >= 50 scores 0 for every response (its group is dropped); any
+# other scores each response by its position in its group (0, 1, ...), so its group always varies.
+# ------------------------------------------------------------------------------------------------
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from mlflow_store import sqlite_uri  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+REWARD = '''
+def compute_score(prompts, responses):
+    n = int(__import__("os").environ["GROUP_SIZE"])
+    return [0.0 if int(p.split("+")[0]) >= 50 else float(i % n) for i, p in enumerate(prompts)]
+'''
+# 8 prompts per step, 2 responses each; every response exactly 4 tokens, every prompt 6
+RUN = ["--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=8",
+       "--ppo_epochs=1", "--adv_estimator=grpo", "--use_kl_in_reward=false", "--filter_groups_enable=true",
+       "--filter_groups_metric=score", "--rollout_ignore_eos=true", "--max_response_length=4", "--test_freq=-1",
+       "--val_before_train=false", "--mlflow_log_model=false", "--reward_fn=dsreward:compute_score"]
+TOKENS_PER_STEP = 8 * 2 * (6 + 4)
+
+
+def prompts_file(tmp, constant_positions, n=32, batch=8, seed=0):
+    """n prompts; those at the given positions of the prompt stream's first epoch order are constant."""
+    from prompts.streams import PromptStream
+    stream = PromptStream(n, batch, seed)
+    order = [i for _ in range(n // batch) for i in stream.next()]                 # the first epoch's order
+    constant = {order[p] for p in constant_positions}
+    rows = [{"prompt": f"{(60 if i in constant else 10) + i % 30}+{10 + i % 80}="} for i in range(n)]
+    path = tmp / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp / "dsreward.py").write_text(REWARD)
+    return path
+
+
+def env_for(tmp):
+    return dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp), PYTHONUNBUFFERED="1", PYTHONPATH=str(tmp),
+                GROUP_SIZE="2")
+
+
+def run_script(tmp, out, *extra):
+    return subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), f"--output_dir={out}", *RUN, *extra],
+                          cwd=tmp, env=env_for(tmp), capture_output=True, text=True, timeout=600)
+
+
+def records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# step 1: round 1 (stream positions 0-7) keeps only 0 and 1, round 2 (8-15) keeps all 8 -> 2 rounds, 10/16 kept;
+# step 2: round 1 (16-23) keeps 4 (16-19), round 2 (24-31) all 8 -> 2 rounds, 12/16 kept (1.0 had the stream
+# not moved on past the extra round)
+CONSTANT = [2, 3, 4, 5, 6, 7, 20, 21, 22, 23]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ds")
+    out = tmp / "out"
+    proc = run_script(tmp, out, f"--train_files={prompts_file(tmp, CONSTANT)}", "--total_training_steps=2",
+                      "--save_freq=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, out
+
+
+def test_constant_groups_are_refilled_to_a_full_batch_end_to_end(two_steps):
+    _, out = two_steps
+    rs = records(out)
+    assert [r["step"] for r in rs] == [1, 2]
+    assert [r["rollout/gen_rounds"] for r in rs] == [2.0, 2.0]
+    assert [r["rollout/kept_groups_frac"] for r in rs] == [10 / 16, 12 / 16]
+    for r in rs:
+        # a full batch: 8 prompts x 2 responses trained on, all of them from varying groups (scores 0 and 1)
+        assert r["perf/tokens_per_s"] * r["time/step_s"] == pytest.approx(TOKENS_PER_STEP, rel=1e-6)
+        assert r["reward/score_mean"] == 0.5 and "actor/pg_loss" in r
+
+
+@pytest.mark.slow   # the stop itself is tested in process above; this is the script's one-line exit
+def test_a_batch_not_full_after_max_num_gen_batches_stops_naming_the_keys(tmp_path):
+    proc = run_script(tmp_path, tmp_path / "out", f"--train_files={prompts_file(tmp_path, CONSTANT)}",
+                      "--total_training_steps=2", "--max_num_gen_batches=1")
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: step 1:") and "max_num_gen_batches=1" in last and "filter_groups_enable" in last
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_resume_after_extra_rounds_matches_the_uninterrupted_run(two_steps, tmp_path):
+    """The checkpoint after step 1 holds the stream position after its 2 rounds: resuming from it
+    gives the uninterrupted run's step 2 exactly."""
+    import shutil
+    tmp, out = two_steps
+    part = tmp_path / "part"
+    shutil.copytree(out / "checkpoints" / "step_1", part / "checkpoints" / "step_1")
+    proc = run_script(tmp, part, f"--train_files={tmp / 'train.jsonl'}", "--total_training_steps=2", "--save_freq=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rs]  # noqa: E731
+    assert strip(records(part)) == strip(records(out)[1:])
+
+
+@pytest.mark.slow
+def test_zero3_two_processes_with_skewed_kept_groups_agree_on_the_rounds(tmp_path):
+    """Rank 0's first share is all constant groups, rank 1's all varied: rank 1 is full after round 1
+    but must generate a second round with rank 0 (ZeRO-3 gathers in every pass would hang
+    otherwise); both then train on exactly their 4 groups."""
+    from test_distributed import launch
+    out = tmp_path / "out"
+    train = prompts_file(tmp_path, range(4))          # stream positions 0-3: rank 0's share of the first batch
+    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}", *RUN,
+                  f"--train_files={train}", "--total_training_steps=2",
+                  env_extra={"PYTHONPATH": str(tmp_path), "GROUP_SIZE": "2"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rs = records(out)
+    assert [r["step"] for r in rs] == [1, 2]
+    # step 1: rank 0 kept 0 then 4 of 4 per round, rank 1 4 then 4: the mean of 4/8 and 8/8
+    assert rs[0]["rollout/gen_rounds"] == 2.0 and rs[0]["rollout/kept_groups_frac"] == 0.75
+    assert rs[1]["rollout/gen_rounds"] == 1.0 and rs[1]["rollout/kept_groups_frac"] == 1.0
+    for r in rs:   # both ranks' tokens: the full batch of 8 prompts x 2 responses
+        assert r["perf/tokens_per_s"] * r["time/step_s"] == pytest.approx(TOKENS_PER_STEP, rel=1e-6)

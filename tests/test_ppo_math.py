@@ -576,6 +576,15 @@ def test_place_scores_decay_halves_back_from_the_last_token_and_keeps_the_total(
           place_scores(t([2.5, -1.0, 0.25]), t(PLACE_MASK), "last", 0.9).tolist(), atol=1e-8)
 
 
+def test_every_placement_gives_grpo_the_same_advantages():
+    """Placements keep each sequence's total, and GRPO compares totals: only GAE-style credit moves."""
+    mask, scores, groups = t([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]), t([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    ref, _ = compute_grpo_advantages(place_scores(scores, mask, "last", 0.9), mask, groups)
+    for placement in ("uniform", "decay"):
+        adv, _ = compute_grpo_advantages(place_scores(scores, mask, placement, 0.5), mask, groups)
+        torch.testing.assert_close(adv, ref)
+
+
 def test_place_scores_decay_counts_real_tokens_only_and_leaves_empty_rows_zero():
     # a masked-out token in the middle (e.g. a tool's output) takes no share and no decay step
     out = place_scores(t([3.0, 7.0]), t([[1, 0, 1], [0, 0, 0]]), "decay", 0.5)
