@@ -578,7 +578,8 @@ def test_place_scores_decay_halves_back_from_the_last_token_and_keeps_the_total(
 
 def test_every_placement_gives_grpo_the_same_advantages():
     """Placements keep each sequence's total, and GRPO compares totals: only GAE-style credit moves."""
-    mask, scores, groups = t([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]), t([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    mask, scores = t([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]), t([1.0, 0.0, 0.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1])
     ref, _ = compute_grpo_advantages(place_scores(scores, mask, "last", 0.9), mask, groups)
     for placement in ("uniform", "decay"):
         adv, _ = compute_grpo_advantages(place_scores(scores, mask, placement, 0.5), mask, groups)
