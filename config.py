@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import kl
-from core_algos import LOSS_AGG_MODES
+from core_algos import LOSS_AGG_MODES, REWARD_PLACEMENTS
 from errors import UserError
 
 
@@ -37,6 +37,22 @@ class Config:
     overlong_buffer_len: int = opt(0, "DAPO overlong shaping: penalise responses longer than max_response_length - this; 0 = off")
     overlong_penalty_factor: float = opt(1.0, "DAPO overlong shaping: the penalty at max_response_length")
     truncation_penalty: float = opt(0.0, "subtracted from the score of a response cut at max_response_length without EOS")
+    reward_placement: str = opt("last", "where a sequence's (shaped) score lands, before KL and advantages: last (its "
+                                        "last response token, verl's) | uniform (score / L on each of its L tokens) | "
+                                        "decay (a token followed by k tokens gets score x reward_decay^k / (1 + "
+                                        "reward_decay + ... + reward_decay^(L-1)): the total is kept)")
+    reward_decay: float = opt(0.9, "reward_placement=decay: the factor in (0, 1] per token back from the last one "
+                                   "(1 = uniform)")
+    # dynamic sampling (DAPO, verl's algorithm.filter_groups)
+    filter_groups_enable: bool = opt(False, "drop each prompt's group of rollout_n responses whose filter_groups_metric "
+                                            "is the same for all (zero advantage) and sample more prompts until the "
+                                            "batch holds train_batch_size groups")
+    filter_groups_metric: str = opt("seq_reward", "what must vary within a group: seq_reward (the shaped score) | "
+                                                  "score (the reward's raw score) | acc (verifier: score >= 1) | "
+                                                  "seq_final_reward (after KL in the reward: needs "
+                                                  "use_kl_in_reward=false, where it is seq_reward)")
+    max_num_gen_batches: int = opt(0, "filter_groups: stop the run when a step's batch is not full after this many "
+                                      "generation rounds; 0 = no limit")
     # precision
     dtype: str = opt("fp32", "fp32 | bf16 (bf16 autocast for forward passes; weights and optimizer stay fp32)")
     # LoRA
@@ -188,6 +204,7 @@ class Config:
 
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+FILTER_GROUPS_METRICS = ("seq_reward", "score", "acc", "seq_final_reward")
 
 
 
@@ -380,6 +397,18 @@ def validate_config(cfg: Config) -> None:
              f"entropy_floor_temperature must be > 0, got {cfg.entropy_floor_temperature}")
         need(cfg.entropy_recover == 0 or cfg.entropy_recover > cfg.entropy_floor,
              f"entropy_recover ({cfg.entropy_recover}) must be 0 (never) or above entropy_floor ({cfg.entropy_floor})")
+    need(cfg.reward_placement in REWARD_PLACEMENTS,
+         f"reward_placement must be one of {REWARD_PLACEMENTS}, got {cfg.reward_placement!r}")
+    need(0 < cfg.reward_decay <= 1, f"reward_decay must be in (0, 1], got {cfg.reward_decay}")
+    need(cfg.filter_groups_metric in FILTER_GROUPS_METRICS,
+         f"filter_groups_metric must be one of {FILTER_GROUPS_METRICS}, got {cfg.filter_groups_metric!r}")
+    need(cfg.max_num_gen_batches >= 0, f"max_num_gen_batches must be >= 0 (0 = no limit), got {cfg.max_num_gen_batches}")
+    if cfg.filter_groups_enable:
+        need(cfg.rollout_n > 1, f"filter_groups_enable keeps groups whose responses differ: set rollout_n > 1 (got "
+                                f"{cfg.rollout_n})")
+        need(not (cfg.filter_groups_metric == "seq_final_reward" and cfg.use_kl_in_reward),
+             "filter_groups_metric=seq_final_reward with use_kl_in_reward=true: groups are chosen before the forward "
+             "passes that give the KL, so use seq_reward, score or acc (or use_kl_in_reward=false)")
     need(cfg.sft_coef >= 0 and cfg.sft_batch_size >= 0,
          f"sft_coef and sft_batch_size must be >= 0, got {cfg.sft_coef} and {cfg.sft_batch_size}")
     for key in ("train_files", "val_files", "sft_files"):

@@ -11,6 +11,7 @@ import torch
 import kl
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+REWARD_PLACEMENTS = ("last", "uniform", "decay")
 
 
 def masked_sum(values, mask, dim=None):
@@ -202,6 +203,29 @@ def overlong_penalty(lengths, max_response_length, buffer_len, penalty_factor):
     to -penalty_factor at max_response_length."""
     expected = max_response_length - buffer_len
     return torch.clamp(-(lengths - expected) / buffer_len * penalty_factor, max=0.0)
+
+
+def place_scores(scores, mask, placement, decay):
+    """One score per sequence spread over its response tokens -> [B, T], before KL and advantages.
+    last: all of it on the last real token (verl). uniform: score / L on each of the L real tokens.
+    decay: a token followed by k real tokens gets score * decay^k / (1 + decay + ... + decay^(L-1)),
+    so the last token gets the largest share and decay=1 is uniform. Every placement keeps each
+    sequence's total (what GRPO/RLOO compare); only where the credit lands changes."""
+    if placement == "last":
+        last = (mask.sum(-1).long() - 1).clamp(min=0)                             # [B]
+        token_scores = torch.zeros(mask.shape, dtype=scores.dtype, device=mask.device)
+        token_scores[torch.arange(len(scores)), last] = scores
+        return token_scores                                                       # [B, T]
+    if placement == "uniform":
+        weights = mask                                                            # [B, T]
+    elif placement == "decay":
+        after = mask.flip(-1).cumsum(-1).flip(-1) - mask                          # [B, T] real tokens after t
+        weights = torch.pow(torch.as_tensor(decay, dtype=scores.dtype), after) * mask   # [B, T]
+    else:
+        raise ValueError(f"placement must be one of {REWARD_PLACEMENTS}, got {placement!r}")
+    weights = weights.to(scores.dtype)
+    total = weights.sum(-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).tiny)   # [B, 1]
+    return scores.unsqueeze(-1) * weights / total                                 # [B, T]
 
 
 def lr_factor(step, warmup_steps, total_steps, schedule, min_lr_ratio):

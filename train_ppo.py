@@ -32,11 +32,11 @@ import kl
 from config import Config, HERE, _split_files, config_warnings, critic_checkpointing, load_config, schedule
 from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_reinforce_pp_advantages,
                         compute_reinforce_pp_baseline_advantages, compute_rloo_advantages, explained_variance,
-                        kl_in_reward, masked_mean, policy_loss, rollout_is_weights, value_loss)
+                        kl_in_reward, masked_mean, place_scores, policy_loss, rollout_is_weights, value_loss)
 from distribution import plugins as distributed
 from distribution.plugins import gathered_params, param_share
 from distribution.prepare import check_world_size, make_accelerator, prepare_models
-from distribution.reductions import gather_rows, max_over_ranks, reduce_metrics
+from distribution.reductions import gather_rows, max_over_ranks, min_over_ranks, reduce_metrics
 from errors import UserError
 from forward.batch import (forward_in_micro_batches, is_truncated, micro_batches, mini_batches, pack_batch,
                            sampler_logprobs, to_device)
@@ -51,8 +51,9 @@ from plumbing.host_memory import peak_memory_gb
 from plumbing.tracking import Tracker, run_tags
 from prompts.sets import PromptSet, load_prompts, load_sft
 from prompts.streams import PromptStream, SFTStream, sft_batch_size
-from rewards.scoring import Scorer, place_scores, shape_scores
+from rewards.scoring import Scorer, shape_scores
 from rollout import SamplingParams
+from rollout.dynamic_sampling import Sampled, fill_groups, group_metric
 from rollout.engines import fresh_mismatch_warning, make_engine
 from rollout.sync import actor_weights
 
@@ -443,35 +444,59 @@ class Rollouts:
     scores: torch.Tensor            # [b] the reward's score per sequence (0 where non-finite)
     nonfinite: torch.Tensor         # [b] bool: dropped from the update (skip_nonfinite_rewards)
     truncated: torch.Tensor         # [b] bool: cut at max_response_length without EOS
-    token_scores: torch.Tensor      # [b, R] the shaped score on each sequence's last token
+    token_scores: torch.Tensor      # [b, R] the shaped score placed over the response tokens (reward_placement)
     sampler: torch.Tensor           # [b, R] the sampler's log-probs, of the distribution it drew from
     actor_sampling: torch.Tensor    # [b, R] the actor's under that distribution (old_logprob unless top_k/top_p cut)
     is_stats: dict
 
 
-def collect(run: Run, idx: list[int], engine, temperature: float, times: dict) -> Rollouts:
-    """Phases 1-3 on this rank's prompts idx: generate, score, forward passes."""
-    cfg, accelerator, tokenizer, device = run.cfg, run.accelerator, run.tokenizer, run.accelerator.device
-    micro = cfg.log_prob_micro_batch_size_per_device or cfg.ppo_micro_batch_size_per_device   # no-grad passes
-    prompts = run.train.take(idx, cfg.rollout_n)                                   # one row per response
-
-    # 1 generate: rollout_n responses per prompt, prompt-major order
+def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, again: bool = False) -> Sampled:
+    """Phases 1-2 on this rank's prompts idx, up to the raw scores: rollout_n responses per prompt,
+    prompt-major order. again: dynamic sampling's next round, on an engine that slept after the
+    last one (sleep level 2 dropped the weights: sent again)."""
+    cfg, device = run.cfg, run.accelerator.device
     with timed(times, "gen"):
+        if again:
+            if cfg.rollout_sleep_level == 2:
+                engine.wake_up(["weights"])
+                engine.load_weights(actor_weights(run.actor, run.ds, cfg.rollout_sync_bucket_mb))
+            engine.wake_up()
         sampling = SamplingParams(n=cfg.rollout_n, temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                   max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
         rollout = engine.generate(run.train.take(idx).ids, sampling)
         engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
-        batch = to_device(pack_batch(prompts.ids, rollout.responses, tokenizer.pad_token_id), device)
+    with timed(times, "score"):
+        prompts = run.train.take(idx, cfg.rollout_n)                              # one row per response
+        batch = to_device(pack_batch(prompts.ids, rollout.responses, run.tokenizer.pad_token_id), device)
+        micro = cfg.log_prob_micro_batch_size_per_device or cfg.ppo_micro_batch_size_per_device
+        scores = run.scorer(prompts, rollout.responses, batch, micro).to(device)              # [b]
+    return Sampled(idx, rollout.responses, rollout.logprobs, scores)
+
+
+def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
+            sampled: Sampled | None = None) -> Rollouts:
+    """Phases 1-3 on this rank's prompts idx (or on the groups dynamic sampling kept): generate,
+    score, forward passes."""
+    cfg, accelerator, tokenizer, device = run.cfg, run.accelerator, run.tokenizer, run.accelerator.device
+    micro = cfg.log_prob_micro_batch_size_per_device or cfg.ppo_micro_batch_size_per_device   # no-grad passes
+
+    # 1 generate: rollout_n responses per prompt, prompt-major order (and their raw scores)
+    if sampled is None:
+        sampled = sample(run, idx, engine, temperature, times)
+    with timed(times, "gen"):
+        prompts = run.train.take(sampled.idx, cfg.rollout_n)                       # one row per response
+        batch = to_device(pack_batch(prompts.ids, sampled.responses, tokenizer.pad_token_id), device)
         mask = batch["response_mask"]                                                          # [b, R]
 
-    # 2 score: one score per sequence, shaped, on its last response token
+    # 2 score: one score per sequence, shaped, placed over its response tokens
     with timed(times, "score"):
-        scores = run.scorer(prompts, rollout.responses, batch, micro).to(device)               # [b]
+        scores = sampled.scores                                                                # [b]
         nonfinite = ~torch.isfinite(scores)                     # only with skip_nonfinite_rewards
         if nonfinite.any():   # those samples take no part in the update
             scores, mask[nonfinite] = torch.where(nonfinite, 0.0, scores), 0.0
-        truncated = is_truncated(rollout.responses, tokenizer.eos_token_id, cfg.max_response_length)
-        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), ~nonfinite), mask)
+        truncated = is_truncated(sampled.responses, tokenizer.eos_token_id, cfg.max_response_length)
+        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), ~nonfinite), mask,
+                                    cfg.reward_placement, cfg.reward_decay)
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
     with timed(times, "forward"), run.autocast():
@@ -498,12 +523,12 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict) -
                                                        size=critic_sched.micro_batch, max_tokens=critic_sched.max_tokens,
                                                        agree=passes["agree"])
         # both engines report them (an engine that did not would count as the actor itself)
-        sampler = actor_sampling if rollout.logprobs is None else sampler_logprobs(rollout.logprobs, mask)
+        sampler = actor_sampling if sampled.logprobs is None else sampler_logprobs(sampled.logprobs, mask)
         is_stats = {}
         if cfg.rollout_is != "off":   # sampler against actor under one distribution: see the README on top_p/top_k
             batch["is_weights"], is_stats = rollout_is_weights(actor_sampling, sampler, mask, cfg.rollout_is,
                                                                cfg.rollout_is_threshold)
-    return Rollouts(batch, rollout.responses, scores, nonfinite, truncated, token_scores, sampler, actor_sampling,
+    return Rollouts(batch, sampled.responses, scores, nonfinite, truncated, token_scores, sampler, actor_sampling,
                     is_stats)
 
 
@@ -553,11 +578,20 @@ def train_step(run: Run, step: int) -> dict:
     step_start = time.perf_counter()
     temperature = run.guards.temperature   # entropy_floor may have changed it
     per_rank = cfg.train_batch_size // world
-    idx = run.stream.next()[accelerator.process_index * per_rank:][:per_rank]     # this rank's prompts
+    share = lambda: run.stream.next()[accelerator.process_index * per_rank:][:per_rank]   # noqa: E731
+    idx = share()                                                                  # this rank's prompts
     group_ids = torch.arange(cfg.train_batch_size, device=device).repeat_interleave(cfg.rollout_n)  # [B] all ranks
 
     # 1-3 generate, score, forward passes
-    data = collect(run, idx, engine, temperature, times)
+    sampled, filtered = None, {}
+    if cfg.filter_groups_enable:   # DAPO: rounds of prompts until every rank holds its share of groups that vary
+        sampled, filtered = fill_groups(idx, share, lambda i, again: sample(run, i, engine, temperature, times, again),
+                                        lambda part: group_metric(cfg, part, run.tokenizer.eos_token_id,
+                                                                  run.scorer.is_verifier),
+                                        min_over_ranks(accelerator), per_rank, cfg.rollout_n, cfg.max_num_gen_batches,
+                                        step)
+        idx = sampled.idx
+    data = collect(run, idx, engine, temperature, times, sampled)
     data, drift, regenerated = check_drift(run, step, idx, data, temperature, times)
     batch, scores, truncated, mask = data.batch, data.scores, data.truncated, data.batch["response_mask"]
     nonfinite, valid, token_scores, is_stats = data.nonfinite, ~data.nonfinite, data.token_scores, data.is_stats
@@ -605,6 +639,7 @@ def train_step(run: Run, step: int) -> dict:
         if cfg.skip_nonfinite_rewards:
             metrics["reward/nonfinite_frac"] = nonfinite.float().mean().item()
         metrics["rollout/logprob_diff"] = drift
+        metrics.update(filtered)
         if cfg.rollout_on_drift == "regenerate":
             metrics["rollout/regenerated"] = float(regenerated)
         metrics.update({f"rollout_is/{k}": v.item() for k, v in is_stats.items()})

@@ -16,6 +16,15 @@ def max_over_ranks(accelerator):
     return agree
 
 
+def min_over_ranks(accelerator):
+    """count -> the smallest count of any rank; a collective, so every rank calls it together."""
+    def agree(count: int) -> int:
+        if accelerator.num_processes == 1:
+            return count
+        return int(accelerator.gather(torch.tensor([count], device=accelerator.device)).min())
+    return agree
+
+
 def gather_rows(accelerator, t):
     """Every rank's [b, R_rank] rows -> the whole batch [B, R_max] on every rank, in rank order."""
     return accelerator.gather(accelerator.pad_across_processes(t, dim=1))

@@ -1,5 +1,6 @@
 """Scoring: the reward function (reward_fn "module:function") or reward model turned into one
-score per sequence, then shaped (clipping, overlong penalty) and placed on the last response token.
+score per sequence, then shaped (clipping, overlong penalty); core_algos.place_scores spreads it over
+the response tokens.
 """
 from __future__ import annotations
 
@@ -124,11 +125,3 @@ def shape_scores(cfg: Config, scores, lengths, truncated, valid=None):
     if valid is not None:
         scores = torch.where(valid, scores, torch.zeros_like(scores))
     return scores                                                                 # [B]
-
-
-def place_scores(scores, response_mask):
-    """A sequence's score sits on its last real response token -> [B, R]."""
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)                        # [B]
-    token_scores = torch.zeros(response_mask.shape, dtype=scores.dtype, device=response_mask.device)
-    token_scores[torch.arange(len(scores)), last] = scores
-    return token_scores

@@ -74,6 +74,19 @@ def _resume_mode(value):
     return {"auto": "auto", "disable": "never"}.get(value, value)
 
 
+def _filter_metric(value):
+    """seq_reward, score, acc, seq_final_reward"""
+    if value not in config.FILTER_GROUPS_METRICS:
+        raise NotCarried(f"the toolkit's metrics are {', '.join(config.FILTER_GROUPS_METRICS)} (null: set one; "
+                         f"the toolkit's default is seq_reward)")
+    return value
+
+
+def _gen_batches(value):
+    """0 or less (no limit) -> 0"""
+    return max(0, value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 def _filter_overlong(value):
     """true -> drop (wins over data.truncation)"""
     if value is True:
@@ -183,6 +196,9 @@ MAPPING = {
     "algorithm.kl_ctrl.kl_coef": "kl_coef",
     "algorithm.kl_ctrl.target_kl": "target_kl",
     "algorithm.kl_ctrl.horizon": "kl_horizon",
+    "algorithm.filter_groups.enable": "filter_groups_enable",
+    "algorithm.filter_groups.metric": ("filter_groups_metric", _filter_metric),
+    "algorithm.filter_groups.max_num_gen_batches": ("max_num_gen_batches", _gen_batches),
     # trainer (trainer.total_epochs: see _epochs_to_steps)
     "trainer.total_training_steps": "total_training_steps",
     "trainer.save_freq": "save_freq",

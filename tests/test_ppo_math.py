@@ -17,10 +17,9 @@ from config import load_config
 from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_reinforce_pp_advantages,
                         compute_reinforce_pp_baseline_advantages, compute_rloo_advantages, entropy_from_logits,
                         explained_variance, kl_in_reward, masked_mean, masked_sum, masked_var, masked_whiten,
-                        policy_loss, value_loss)
+                        place_scores, policy_loss, value_loss)
 from errors import UserError
 from forward.batch import pack_batch
-from rewards.scoring import place_scores
 
 NAN = float("nan")
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -552,10 +551,46 @@ def test_pack_batch_empty_response_keeps_one_masked_column():
     assert b["response_mask"].tolist() == [[0.0], [0.0]]
 
 
+PLACE_MASK = [[1, 1, 0], [1, 1, 1], [1, 0, 0]]   # responses of 2, 3 and 1 tokens
+
+
 def test_place_scores_on_last_real_response_token():
-    mask = t([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
-    out = place_scores(t([2.5, -1.0, 0.25]), mask)
+    out = place_scores(t([2.5, -1.0, 0.25]), t(PLACE_MASK), "last", 0.9)
     assert out.tolist() == [[0.0, 2.5, 0.0], [0.0, 0.0, -1.0], [0.25, 0.0, 0.0]]
+
+
+def test_place_scores_uniform_spreads_score_over_length():
+    out = place_scores(t([2.5, -1.0, 0.25]), t(PLACE_MASK), "uniform", 0.9)
+    close(out, [[1.25, 1.25, 0.0], [-1 / 3, -1 / 3, -1 / 3], [0.25, 0.0, 0.0]])
+
+
+def test_place_scores_decay_halves_back_from_the_last_token_and_keeps_the_total():
+    out = place_scores(t([2.5, -1.0, 0.25]), t(PLACE_MASK), "decay", 0.5)
+    # L=2: weights 0.5, 1 over 1.5; L=3: 0.25, 0.5, 1 over 1.75; L=1: all on the one token
+    close(out, [[2.5 * 0.5 / 1.5, 2.5 * 1 / 1.5, 0.0], [-0.25 / 1.75, -0.5 / 1.75, -1 / 1.75], [0.25, 0.0, 0.0]])
+    close(out.sum(-1), [2.5, -1.0, 0.25])
+    # decay 1 is uniform; a tiny decay is (nearly) last
+    close(place_scores(t([2.5, -1.0, 0.25]), t(PLACE_MASK), "decay", 1.0),
+          place_scores(t([2.5, -1.0, 0.25]), t(PLACE_MASK), "uniform", 0.9).tolist())
+    close(place_scores(t([2.5, -1.0, 0.25]), t(PLACE_MASK), "decay", 1e-9),
+          place_scores(t([2.5, -1.0, 0.25]), t(PLACE_MASK), "last", 0.9).tolist(), atol=1e-8)
+
+
+def test_every_placement_gives_grpo_the_same_advantages():
+    """Placements keep each sequence's total, and GRPO compares totals: only GAE-style credit moves."""
+    mask, scores = t([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]), t([1.0, 0.0, 0.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    ref, _ = compute_grpo_advantages(place_scores(scores, mask, "last", 0.9), mask, groups)
+    for placement in ("uniform", "decay"):
+        adv, _ = compute_grpo_advantages(place_scores(scores, mask, placement, 0.5), mask, groups)
+        torch.testing.assert_close(adv, ref)
+
+
+def test_place_scores_decay_counts_real_tokens_only_and_leaves_empty_rows_zero():
+    # a masked-out token in the middle (e.g. a tool's output) takes no share and no decay step
+    out = place_scores(t([3.0, 7.0]), t([[1, 0, 1], [0, 0, 0]]), "decay", 0.5)
+    close(out, [[3.0 * 0.5 / 1.5, 0.0, 3.0 * 1 / 1.5], [0.0, 0.0, 0.0]])
+    close(place_scores(t([3.0, 7.0]), t([[1, 0, 1], [0, 0, 0]]), "uniform", 0.5), [[1.5, 0.0, 1.5], [0.0, 0.0, 0.0]])
 
 
 # --------------------------------------------------------------------------------------------
@@ -623,6 +658,25 @@ def test_config_wrong_type_in_yaml(base, tmp_path):
 @pytest.mark.parametrize("value", ["1.0", "0.5"])
 def test_config_clip_ratio_c_must_exceed_1(base, value):
     assert "clip_ratio_c" in error_of(base + [f"--clip_ratio_c={value}"])
+
+
+@pytest.mark.parametrize("arg,key", [
+    ("--reward_placement=first", "reward_placement"),
+    ("--reward_placement=decay --reward_decay=0", "reward_decay"),
+    ("--reward_decay=1.5", "reward_decay"),
+    ("--filter_groups_metric=reward", "filter_groups_metric"),
+    ("--max_num_gen_batches=-1", "max_num_gen_batches"),
+    ("--filter_groups_enable=true --rollout_n=1", "rollout_n"),
+    ("--filter_groups_enable=true --filter_groups_metric=seq_final_reward --use_kl_in_reward=true", "seq_final_reward"),
+])
+def test_config_reward_placement_and_filter_groups_are_checked(base, arg, key):
+    assert key in error_of(base + arg.split())
+
+
+def test_config_seq_final_reward_without_kl_in_reward_is_accepted(base):
+    cfg = load_config(base + ["--filter_groups_enable=true", "--filter_groups_metric=seq_final_reward",
+                              "--use_kl_in_reward=false", "--adv_estimator=grpo"])
+    assert cfg.filter_groups_metric == "seq_final_reward"
 
 
 def test_config_clip_ratio_c_just_above_1_is_accepted(base):

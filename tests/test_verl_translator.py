@@ -283,10 +283,28 @@ def test_a_bad_override_is_an_error():
     ("data.filter_overlong_prompts=True", "prompt_truncation", "drop"),
     ("trainer.log_val_generations=10", "log_samples", 10),
     ("actor_rollout_ref.rollout.val_kwargs.top_p=0.9", "top_p", 0.9),
+    ("algorithm.filter_groups.enable=True", "filter_groups_enable", True),
+    ("algorithm.filter_groups.metric=acc", "filter_groups_metric", "acc"),
+    ("algorithm.filter_groups.metric=seq_final_reward", "filter_groups_metric", "seq_final_reward"),
+    ("algorithm.filter_groups.max_num_gen_batches=10", "max_num_gen_batches", 10),
+    ("algorithm.filter_groups.max_num_gen_batches=-1", "max_num_gen_batches", 0),   # verl: <= 0 is no limit
 ])
 def test_each_added_mapping(override, key, value):
     t = v2c.translate(v2c.resolve(v2c.read_verl([], [override])))
     assert t.carried[key][:2] == (value, override.split("=")[0]) and not t.not_carried
+
+
+def test_verl_dapo_recipe_keys_carry_and_a_metric_without_a_counterpart_is_named():
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], [
+        "algorithm.filter_groups.enable=True", "algorithm.filter_groups.metric=acc",
+        "algorithm.filter_groups.max_num_gen_batches=10", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=512"])))
+    assert {k: v[0] for k, v in t.carried.items()} == {
+        "filter_groups_enable": True, "filter_groups_metric": "acc", "max_num_gen_batches": 10,
+        "clip_ratio_high": 0.28, "overlong_buffer_len": 512}
+    for metric in ("null", "pass@4"):
+        other = v2c.translate(v2c.resolve(v2c.read_verl([], [f"algorithm.filter_groups.metric={metric}"])))
+        assert not other.carried and "seq_reward" in other.not_carried[0][2]
 
 
 def test_global_micro_batches_are_divided_by_the_gpus_as_verl_does():
