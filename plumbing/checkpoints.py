@@ -11,6 +11,7 @@ This module takes plain values (paths, dicts, the accelerator); it never imports
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from config import Config
 from errors import UserError, first_line
 from rollout.sync import actor_weights
 
@@ -68,11 +70,16 @@ def read_state(path: Path) -> dict:
                         f"another checkpoint") from None
 
 
+def _defaults() -> dict:
+    return dataclasses.asdict(Config())
+
+
 def check_resumable(config: dict, state: dict, path: Path) -> list[str]:
     """Refuses a checkpoint made with a different config (naming the keys) -> notes on the
     resumable keys that did change, for the log. total_training_steps sets the cosine
     schedule's length, so changing it is refused under that schedule."""
-    saved = state["config"]
+    # a key the checkpoint's config lacks was added to the toolkit since: that run used its default
+    saved = {**_defaults(), **state["config"]}
     differing = [k for k in config if k not in RESUMABLE_KEYS and saved.get(k) != config[k]]
     steps_before, steps_now = saved.get("total_training_steps"), config["total_training_steps"]
     if steps_before != steps_now and config.get("lr_scheduler_type") == "cosine":

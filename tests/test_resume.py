@@ -237,6 +237,22 @@ def test_a_different_length_under_the_cosine_schedule_is_refused_naming_the_key(
     assert notes == ["total_training_steps changed from 2 to 4 since the checkpoint; using 4"]
 
 
+
+def test_a_checkpoint_from_before_a_key_existed_resumes_at_that_keys_default(tmp_path):
+    """A checkpoint written before a config key was added lacks it: the run that wrote it behaved as
+    the default, so resuming with the default goes on and any other value is refused, naming the key."""
+    from dataclasses import asdict
+
+    from plumbing.checkpoints import check_resumable
+    from config import Config
+    from errors import UserError
+    old = asdict(Config())
+    del old["reward_placement"]
+    assert check_resumable(asdict(Config()), {"config": old}, tmp_path) == []
+    with pytest.raises(UserError) as refused:
+        check_resumable(asdict(Config(reward_placement="uniform")), {"config": old}, tmp_path)
+    assert "reward_placement: 'last' -> 'uniform'" in str(refused.value)
+
 @pytest.mark.slow
 def test_vllm_resume_samples_what_the_uninterrupted_run_samples(tmp_path, vllm_run):
     """The vLLM engine's per-request seed counter is in the checkpoint: 2 steps, stop, resume to 3
