@@ -36,7 +36,7 @@ from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_
 from distribution import plugins as distributed
 from distribution.plugins import gathered_params, param_share
 from distribution.prepare import check_world_size, make_accelerator, prepare_models
-from distribution.reductions import gather_rows, max_over_ranks, reduce_metrics
+from distribution.reductions import any_over_ranks, gather_rows, max_over_ranks, reduce_metrics
 from errors import UserError
 from forward.batch import (forward_in_micro_batches, is_truncated, micro_batches, mini_batches, pack_batch,
                            sampler_logprobs, to_device)
@@ -55,6 +55,7 @@ from rewards.scoring import Scorer, place_scores, shape_scores
 from rollout import SamplingParams
 from rollout.engines import make_engine
 from rollout.sync import actor_weights
+from rollout.tools.rollouts import TRAJECTORY_COLUMNS, make_tool_rollouts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,16 +237,19 @@ def validation_share(n: int, world: int, rank: int) -> tuple[list[int], int]:
     return mine + [0] * (share - len(mine)), len(mine)
 
 
-def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet) -> tuple[dict, dict]:
+def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet, tools=None) -> tuple[dict, dict]:
     """Greedy (by default) generation on this rank's share of the validation prompts; scores are
     summed over ranks, so the figures cover the whole validation set."""
     idx, real = validation_share(len(val.ids), accelerator.num_processes, accelerator.process_index)
     mine = val.take(idx)
     params = SamplingParams(n=1, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_response_length)
-    responses = engine.generate(mine.ids, params).responses
-    batch = to_device(pack_batch(mine.ids, responses, tokenizer.pad_token_id), accelerator.device)
-    scores = scorer(mine, responses, batch, cfg.ppo_micro_batch_size_per_device).to(accelerator.device)[:real]
+    out = tools.generate(engine, mine, params, any_over_ranks(accelerator)) if tools else engine.generate(mine.ids, params)
+    responses = out.responses
+    batch = to_device(out.batch(tokenizer.pad_token_id) if tools else pack_batch(mine.ids, responses, tokenizer.pad_token_id),
+                      accelerator.device)
+    scores = scorer(mine, responses, batch, cfg.ppo_micro_batch_size_per_device,
+                    getattr(out, "columns", None)).to(accelerator.device)[:real]
     texts, responses = mine.texts[:real], responses[:real]
     sums = torch.stack([scores.sum(), (scores >= 1.0).float().sum(), torch.tensor(float(len(scores)), device=scores.device)])
     total, correct, count = accelerator.reduce(sums.double(), reduction="sum").tolist()
@@ -315,6 +319,7 @@ class Run:
     parked: typing.Any = None          # a vLLM engine that started while another rank's did not: asleep, unused
     shapes: dict = field(default_factory=dict)   # role -> flops.Shape, for perf/mfu
     peak_flops: float = 0.0                      # the device's peak FLOP/s; 0 = unknown, no perf/mfu
+    tools: typing.Any = None                     # multi-turn rollouts (tools / environment), else None
 
 
 def hf_engine(run: Run):
@@ -357,9 +362,11 @@ def setup(cfg: Config) -> Run:
     autocast = accelerator.autocast if cfg.dtype == "bf16" and not ds else nullcontext
 
     tokenizer, actor, critic, ref, reward_model = load_models(cfg)
+    tools = make_tool_rollouts(cfg, tokenizer)   # multi-turn: refuses a chat template that is not prefix-preserving
     scorer = Scorer(cfg, tokenizer, None)
     read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
-                                      cfg.prompt_truncation, scorer.columns, cfg.reward_fn)
+                                      cfg.prompt_truncation, scorer.dataset_columns(TRAJECTORY_COLUMNS if tools else ()),
+                                      cfg.reward_fn, keep_rows=tools is not None)
     train, val = read(cfg.train_files), (read(cfg.val_files) if cfg.val_files else None)
     sft = SFTStream(load_sft(cfg, tokenizer), sft_batch_size(cfg, world), cfg.seed, rank, world,
                     tokenizer.pad_token_id) if cfg.sft_files else None
@@ -373,6 +380,7 @@ def setup(cfg: Config) -> Run:
               kl.make_kl_controller(cfg.kl_ctrl_type, cfg.kl_coef, cfg.target_kl, cfg.kl_horizon),
               train, val, PromptStream(len(train.ids), cfg.train_batch_size, cfg.seed), sft, Guards(cfg), None,
               autocast)
+    run.tools = tools
     if resumed:
         restore(run, ckpt, resumed)
         rescale_lr(*run.trained["actor"][1:], resumed_lr_scale(cfg.actor_lr, resumed))   # e.g. a guard's advice
@@ -447,6 +455,7 @@ class Rollouts:
     sampler: torch.Tensor           # [b, R] the sampler's log-probs, of the distribution it drew from
     actor_sampling: torch.Tensor    # [b, R] the actor's under that distribution (old_logprob unless top_k/top_p cut)
     is_stats: dict
+    tool_stats: dict = field(default_factory=dict)   # tools/* and time/tools_s (multi-turn)
 
 
 def collect(run: Run, idx: list[int], engine, temperature: float, times: dict) -> Rollouts:
@@ -459,19 +468,27 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict) -
     with timed(times, "gen"):
         sampling = SamplingParams(n=cfg.rollout_n, temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                   max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
-        rollout = engine.generate(run.train.take(idx).ids, sampling)
+        if run.tools:   # multi-turn: one trajectory per prompt and sample, every rank as many passes
+            rollout = run.tools.generate(engine, prompts, sampling, any_over_ranks(accelerator))
+        else:
+            rollout = engine.generate(run.train.take(idx).ids, sampling)
         engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
-        batch = to_device(pack_batch(prompts.ids, rollout.responses, tokenizer.pad_token_id), device)
+        # multi-turn: response_mask is 0 at tool tokens (no policy loss, KL, entropy, value or advantage)
+        batch = to_device(rollout.batch(tokenizer.pad_token_id) if run.tools else
+                          pack_batch(prompts.ids, rollout.responses, tokenizer.pad_token_id), device)
         mask = batch["response_mask"]                                                          # [b, R]
 
     # 2 score: one score per sequence, shaped, on its last response token
     with timed(times, "score"):
-        scores = run.scorer(prompts, rollout.responses, batch, micro).to(device)               # [b]
+        scores = run.scorer(prompts, rollout.responses, batch, micro, getattr(rollout, "columns", None)).to(device)
         nonfinite = ~torch.isfinite(scores)                     # only with skip_nonfinite_rewards
         if nonfinite.any():   # those samples take no part in the update
             scores, mask[nonfinite] = torch.where(nonfinite, 0.0, scores), 0.0
-        truncated = is_truncated(rollout.responses, tokenizer.eos_token_id, cfg.max_response_length)
-        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), ~nonfinite), mask)
+        truncated = (rollout.truncated if run.tools else
+                     is_truncated(rollout.responses, tokenizer.eos_token_id, cfg.max_response_length))
+        bonus = rollout.bonus(cfg.tool_call_bonus) if run.tools and cfg.tool_call_bonus else None
+        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), ~nonfinite, bonus),
+                                    mask)
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
     with timed(times, "forward"), run.autocast():
@@ -504,7 +521,7 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict) -
             batch["is_weights"], is_stats = rollout_is_weights(actor_sampling, sampler, mask, cfg.rollout_is,
                                                                cfg.rollout_is_threshold)
     return Rollouts(batch, rollout.responses, scores, nonfinite, truncated, token_scores, sampler, actor_sampling,
-                    is_stats)
+                    is_stats, rollout.metrics() if run.tools else {})
 
 
 def sampler_drift(accelerator, data: Rollouts) -> float:
@@ -604,6 +621,7 @@ def train_step(run: Run, step: int) -> dict:
         if cfg.rollout_on_drift == "regenerate":
             metrics["rollout/regenerated"] = float(regenerated)
         metrics.update({f"rollout_is/{k}": v.item() for k, v in is_stats.items()})
+        metrics.update(data.tool_stats)   # time/tools_s: part of time/gen_s
         if run.peak_flops:
             metrics.update(model_flops_utilisation(run, batch, updates, world))
         metrics = reduce_metrics(accelerator, {**metrics, **times})
@@ -636,7 +654,7 @@ def validate_and_log(run: Run, step: int, metrics: dict, bar, postfix: dict) -> 
     cfg, accelerator, tracker, val, guards = run.cfg, run.accelerator, run.tracker, run.val, run.guards
     if val and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
         start = time.perf_counter()
-        val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val)
+        val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val, run.tools)
         metrics.update(val_metrics)
         metrics["time/val_s"] = time.perf_counter() - start
         tracker.log_samples(step, samples)
@@ -676,7 +694,7 @@ def main(cfg: Config) -> None:
     status, final_dir, bar = "FAILED", None, None
     try:
         if val and cfg.val_before_train and not run.resumed:
-            val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val)
+            val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val, run.tools)
             tracker.log(0, val_metrics)
             tracker.log_samples(0, samples)
         bar = tqdm(desc="ppo", initial=run.first_step - 1, total=cfg.total_training_steps,

@@ -460,6 +460,10 @@ MEMORISED = [("What is 6*7?", [call_text("calculator", {"expression": "6*7"}), "
 
 @pytest.fixture(scope="module")
 def memorised(tokenizer, calc_tools):
+    return memorise(tokenizer, calc_tools)
+
+
+def memorise(tokenizer, calc_tools):
     """A tiny Qwen2 trained until it reproduces MEMORISED's assistant turns (every model token at
     probability > 0.9), and each conversation's token ids as the template renders them."""
     chat = ChatFormat(tokenizer, calc_tools.schemas)
