@@ -232,3 +232,15 @@ def test_tools_and_environment_are_exclusive():
         load_config([f"--tools={CALC}", "--environment=tests.test_tools:CountdownEnv"])
     with pytest.raises(UserError, match="max_turns must be > 0"):
         load_config([f"--tools={CALC}", "--max_turns=0"])
+
+
+def test_final_answer_score_reads_the_last_assistant_turn():
+    from rewards.arithmetic import final_answer_score
+    user = {"role": "user", "content": "47*38="}
+    call = {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "47*38"}}\n</tool_call>'}
+    tool = {"role": "tool", "content": "1786"}
+    assert final_answer_score(["p"] * 4, ["r"] * 4, [
+        [user, call, tool, {"role": "assistant", "content": "47*38 = 1786"}],
+        [user, call, tool, {"role": "assistant", "content": "It is 1785."}],
+        [user, call],                 # ended on a call (max_turns): no answer
+        [user, call, tool]]) == [1.0, 0.0, 0.0, 0.0]
