@@ -201,14 +201,20 @@ def check_tool_metrics(out):
 
 
 @pytest.mark.slow
-def test_train_with_the_calculator(model_dir, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_train_with_the_calculator(model_dir, tmp_path, engine):
+    """A short run with the calculator on either engine; the sampler's log-probs line up with the
+    actor's at the model tokens (rollout/logprob_diff of fp32 rounding, tool tokens left out)."""
     model_path, data, _, _ = model_dir
     env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), *run_args(model_path, data, tmp_path / "out")],
+    proc = subprocess.run([sys.executable, str(SCRIPT), *run_args(model_path, data, tmp_path / "out"),
+                           f"--rollout_engine={engine}", "--rollout_is=token"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     records = check_tool_metrics(tmp_path / "out")
-    print({k: records[1][k] for k in TOOL_KEYS})
+    for r in records[1:]:
+        assert r["rollout/logprob_diff"] < 1e-3
+    print({k: records[1][k] for k in TOOL_KEYS + ["rollout/logprob_diff"]})
 
 
 @pytest.mark.slow
