@@ -144,6 +144,17 @@ class Config:
     top_p: float = opt(1.0, "nucleus sampling for rollouts")
     top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")
     val_temperature: float = opt(0.0, "sampling temperature for validation; 0 = greedy")
+    # multi-turn tools (rollout/tools/): the model calls tools mid-answer and reads their output
+    tools: str = opt("", "tools the model may call, 'module:function' specs, comma-separated (or a YAML list), e.g. "
+                         "rollout.tools.builtin:calculator; '' = single-turn rollouts")
+    environment: str = opt("", "instead of tools: an environment class 'module:Class' with reset(prompt_row) and "
+                               "step(text) -> (observation, reward, done), one instance per trajectory")
+    max_turns: int = opt(4, "tools/environment: assistant turns per trajectory at most")
+    tool_timeout_s: float = opt(30.0, "tools: wall-clock limit of one tool call (the python tool's too); past it "
+                                      "the call is an error observation")
+    tool_workers: int = opt(8, "tools/environment: tool calls (environment steps) run concurrently in this many threads")
+    tool_call_bonus: float = opt(0.0, "tools/environment: added to the training score of a trajectory with at least "
+                                      "one tool call that did not fail (not to reward/* metrics or validation)")
     # optimisation
     actor_lr: float = opt(5e-5, "actor learning rate (AdamW)")
     critic_lr: float = opt(1e-4, "critic learning rate (AdamW)")
@@ -289,6 +300,8 @@ def _coerce(key: str, value):
         kind = next(a for a in typing.get_args(kind) if a is not type(None))
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
             return None
+    if key == "tools" and isinstance(value, (list, tuple)):   # a YAML list of specs
+        value = ",".join(str(v) for v in value)
     try:
         if kind is bool:
             if isinstance(value, bool):
@@ -383,6 +396,14 @@ def validate_config(cfg: Config) -> None:
              f"max_response_length = {cfg.max_prompt_length + cfg.max_response_length})")
     need(cfg.adv_estimator == "gae" or cfg.rollout_n > 1 or cfg.adv_estimator == "reinforce_plus_plus",
          f"adv_estimator={cfg.adv_estimator} compares samples of one prompt: set rollout_n > 1 (got {cfg.rollout_n})")
+    need(not (cfg.tools and cfg.environment), f"set tools or environment, not both (tools={cfg.tools!r}, "
+         f"environment={cfg.environment!r}): an environment runs its own tools")
+    if cfg.tools or cfg.environment:
+        need(cfg.max_turns > 0, f"max_turns must be > 0, got {cfg.max_turns}")
+        need(cfg.tool_timeout_s > 0, f"tool_timeout_s must be > 0, got {cfg.tool_timeout_s}")
+        need(cfg.tool_workers > 0, f"tool_workers must be > 0, got {cfg.tool_workers}")
+        need(not cfg.rollout_ignore_eos, "rollout_ignore_eos cannot run with tools or an environment: a turn ends at "
+                                         "its end-of-turn token")
     need(cfg.reward_fn or cfg.reward_model_path, "set reward_fn ('module:function') or reward_model_path")
     for key in ("model_path", "critic_model_path", "ref_model_path", "reward_model_path"):
         path = getattr(cfg, key)
@@ -409,6 +430,8 @@ def validate_config(cfg: Config) -> None:
         need(not (cfg.filter_groups_metric == "seq_final_reward" and cfg.use_kl_in_reward),
              "filter_groups_metric=seq_final_reward with use_kl_in_reward=true: groups are chosen before the forward "
              "passes that give the KL, so use seq_reward, score or acc (or use_kl_in_reward=false)")
+        need(not (cfg.tools or cfg.environment), "filter_groups_enable with tools/environment: dynamic sampling does "
+             "not yet select multi-turn trajectories; turn one of them off")
     need(cfg.sft_coef >= 0 and cfg.sft_batch_size >= 0,
          f"sft_coef and sft_batch_size must be >= 0, got {cfg.sft_coef} and {cfg.sft_batch_size}")
     for key in ("train_files", "val_files", "sft_files"):

@@ -211,8 +211,9 @@ def place_scores(scores, mask, placement, decay):
     decay: a token followed by k real tokens gets score * decay^k / (1 + decay + ... + decay^(L-1)),
     so the last token gets the largest share and decay=1 is uniform. Every placement keeps each
     sequence's total (what GRPO/RLOO compare); only where the credit lands changes."""
-    if placement == "last":
-        last = (mask.sum(-1).long() - 1).clamp(min=0)                             # [B]
+    if placement == "last":   # the last token of mask 1 (multi-turn: the policy's, never a tool token after it)
+        positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)          # [B, T]
+        last = torch.where(mask > 0, positions, -1).max(-1).values.clamp(min=0)               # [B]
         token_scores = torch.zeros(mask.shape, dtype=scores.dtype, device=mask.device)
         token_scores[torch.arange(len(scores)), last] = scores
         return token_scores                                                       # [B, T]

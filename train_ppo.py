@@ -36,7 +36,7 @@ from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_
 from distribution import plugins as distributed
 from distribution.plugins import gathered_params, param_share
 from distribution.prepare import check_world_size, make_accelerator, prepare_models
-from distribution.reductions import gather_rows, max_over_ranks, min_over_ranks, reduce_metrics
+from distribution.reductions import any_over_ranks, gather_rows, max_over_ranks, min_over_ranks, reduce_metrics
 from errors import UserError
 from forward.batch import (forward_in_micro_batches, is_truncated, micro_batches, mini_batches, pack_batch,
                            sampler_logprobs, to_device)
@@ -56,6 +56,7 @@ from rollout import SamplingParams
 from rollout.dynamic_sampling import Sampled, fill_groups, group_metric
 from rollout.engines import fresh_mismatch_warning, make_engine
 from rollout.sync import actor_weights
+from rollout.tools.rollouts import TRAJECTORY_COLUMNS, make_tool_rollouts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,16 +238,19 @@ def validation_share(n: int, world: int, rank: int) -> tuple[list[int], int]:
     return mine + [0] * (share - len(mine)), len(mine)
 
 
-def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet) -> tuple[dict, dict]:
+def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet, tools=None) -> tuple[dict, dict]:
     """Greedy (by default) generation on this rank's share of the validation prompts; scores are
     summed over ranks, so the figures cover the whole validation set."""
     idx, real = validation_share(len(val.ids), accelerator.num_processes, accelerator.process_index)
     mine = val.take(idx)
     params = SamplingParams(n=1, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_response_length)
-    responses = engine.generate(mine.ids, params).responses
-    batch = to_device(pack_batch(mine.ids, responses, tokenizer.pad_token_id), accelerator.device)
-    scores = scorer(mine, responses, batch, cfg.ppo_micro_batch_size_per_device).to(accelerator.device)[:real]
+    out = tools.generate(engine, mine, params, any_over_ranks(accelerator)) if tools else engine.generate(mine.ids, params)
+    responses = out.responses
+    batch = to_device(out.batch(tokenizer.pad_token_id) if tools else pack_batch(mine.ids, responses, tokenizer.pad_token_id),
+                      accelerator.device)
+    scores = scorer(mine, responses, batch, cfg.ppo_micro_batch_size_per_device,
+                    getattr(out, "columns", None)).to(accelerator.device)[:real]
     texts, responses = mine.texts[:real], responses[:real]
     sums = torch.stack([scores.sum(), (scores >= 1.0).float().sum(), torch.tensor(float(len(scores)), device=scores.device)])
     total, correct, count = accelerator.reduce(sums.double(), reduction="sum").tolist()
@@ -316,6 +320,7 @@ class Run:
     parked: typing.Any = None          # a vLLM engine that started while another rank's did not: asleep, unused
     shapes: dict = field(default_factory=dict)   # role -> flops.Shape, for perf/mfu
     peak_flops: float = 0.0                      # the device's peak FLOP/s; 0 = unknown, no perf/mfu
+    tools: typing.Any = None                     # multi-turn rollouts (tools / environment), else None
 
 
 def hf_engine(run: Run):
@@ -358,9 +363,11 @@ def setup(cfg: Config) -> Run:
     autocast = accelerator.autocast if cfg.dtype == "bf16" and not ds else nullcontext
 
     tokenizer, actor, critic, ref, reward_model = load_models(cfg)
+    tools = make_tool_rollouts(cfg, tokenizer)   # multi-turn: refuses a chat template that is not prefix-preserving
     scorer = Scorer(cfg, tokenizer, None)
     read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
-                                      cfg.prompt_truncation, scorer.columns, cfg.reward_fn)
+                                      cfg.prompt_truncation, scorer.dataset_columns(TRAJECTORY_COLUMNS if tools else ()),
+                                      cfg.reward_fn, keep_rows=tools is not None)
     train, val = read(cfg.train_files), (read(cfg.val_files) if cfg.val_files else None)
     sft = SFTStream(load_sft(cfg, tokenizer), sft_batch_size(cfg, world), cfg.seed, rank, world,
                     tokenizer.pad_token_id) if cfg.sft_files else None
@@ -374,6 +381,7 @@ def setup(cfg: Config) -> Run:
               kl.make_kl_controller(cfg.kl_ctrl_type, cfg.kl_coef, cfg.target_kl, cfg.kl_horizon),
               train, val, PromptStream(len(train.ids), cfg.train_batch_size, cfg.seed), sft, Guards(cfg), None,
               autocast)
+    run.tools = tools
     if resumed:
         restore(run, ckpt, resumed)
         rescale_lr(*run.trained["actor"][1:], resumed_lr_scale(cfg.actor_lr, resumed))   # e.g. a guard's advice
@@ -448,6 +456,7 @@ class Rollouts:
     sampler: torch.Tensor           # [b, R] the sampler's log-probs, of the distribution it drew from
     actor_sampling: torch.Tensor    # [b, R] the actor's under that distribution (old_logprob unless top_k/top_p cut)
     is_stats: dict
+    tool_stats: dict = field(default_factory=dict)   # tools/* and time/tools_s (multi-turn)
 
 
 def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, again: bool = False) -> Sampled:
@@ -455,6 +464,7 @@ def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, ag
     prompt-major order. again: dynamic sampling's next round, on an engine that slept after the
     last one (sleep level 2 dropped the weights: sent again)."""
     cfg, device = run.cfg, run.accelerator.device
+    prompts = run.train.take(idx, cfg.rollout_n)                                  # one row per response
     with timed(times, "gen"):
         if again:
             if cfg.rollout_sleep_level == 2:
@@ -463,14 +473,18 @@ def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, ag
             engine.wake_up()
         sampling = SamplingParams(n=cfg.rollout_n, temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                   max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
-        rollout = engine.generate(run.train.take(idx).ids, sampling)
+        if run.tools:   # multi-turn: one trajectory per prompt and sample, every rank as many passes
+            rollout = run.tools.generate(engine, prompts, sampling, any_over_ranks(run.accelerator))
+        else:
+            rollout = engine.generate(run.train.take(idx).ids, sampling)
         engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
     with timed(times, "score"):
-        prompts = run.train.take(idx, cfg.rollout_n)                              # one row per response
-        batch = to_device(pack_batch(prompts.ids, rollout.responses, run.tokenizer.pad_token_id), device)
+        # multi-turn: response_mask is 0 at tool tokens (no policy loss, KL, entropy, value or advantage)
+        batch = to_device(rollout.batch(run.tokenizer.pad_token_id) if run.tools else
+                          pack_batch(prompts.ids, rollout.responses, run.tokenizer.pad_token_id), device)
         micro = cfg.log_prob_micro_batch_size_per_device or cfg.ppo_micro_batch_size_per_device
-        scores = run.scorer(prompts, rollout.responses, batch, micro).to(device)              # [b]
-    return Sampled(idx, rollout.responses, rollout.logprobs, scores)
+        scores = run.scorer(prompts, rollout.responses, batch, micro, getattr(rollout, "columns", None)).to(device)
+    return Sampled(idx, rollout.responses, rollout.logprobs, scores, rollout if run.tools else None)
 
 
 def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
@@ -483,9 +497,11 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
     # 1 generate: rollout_n responses per prompt, prompt-major order (and their raw scores)
     if sampled is None:
         sampled = sample(run, idx, engine, temperature, times)
+    tools = sampled.tools   # the multi-turn trajectories, or None
     with timed(times, "gen"):
         prompts = run.train.take(sampled.idx, cfg.rollout_n)                       # one row per response
-        batch = to_device(pack_batch(prompts.ids, sampled.responses, tokenizer.pad_token_id), device)
+        batch = to_device(tools.batch(tokenizer.pad_token_id) if tools else
+                          pack_batch(prompts.ids, sampled.responses, tokenizer.pad_token_id), device)
         mask = batch["response_mask"]                                                          # [b, R]
 
     # 2 score: one score per sequence, shaped, placed over its response tokens
@@ -494,9 +510,11 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
         nonfinite = ~torch.isfinite(scores)                     # only with skip_nonfinite_rewards
         if nonfinite.any():   # those samples take no part in the update
             scores, mask[nonfinite] = torch.where(nonfinite, 0.0, scores), 0.0
-        truncated = is_truncated(sampled.responses, tokenizer.eos_token_id, cfg.max_response_length)
-        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), ~nonfinite), mask,
-                                    cfg.reward_placement, cfg.reward_decay)
+        truncated = tools.truncated if tools else is_truncated(sampled.responses, tokenizer.eos_token_id,
+                                                               cfg.max_response_length)
+        bonus = tools.bonus(cfg.tool_call_bonus) if tools and cfg.tool_call_bonus else None
+        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), ~nonfinite, bonus),
+                                    mask, cfg.reward_placement, cfg.reward_decay)
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
     with timed(times, "forward"), run.autocast():
@@ -529,7 +547,7 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
             batch["is_weights"], is_stats = rollout_is_weights(actor_sampling, sampler, mask, cfg.rollout_is,
                                                                cfg.rollout_is_threshold)
     return Rollouts(batch, sampled.responses, scores, nonfinite, truncated, token_scores, sampler, actor_sampling,
-                    is_stats)
+                    is_stats, tools.metrics() if tools else {})
 
 
 def sampler_drift(accelerator, data: Rollouts) -> float:
@@ -643,6 +661,7 @@ def train_step(run: Run, step: int) -> dict:
         if cfg.rollout_on_drift == "regenerate":
             metrics["rollout/regenerated"] = float(regenerated)
         metrics.update({f"rollout_is/{k}": v.item() for k, v in is_stats.items()})
+        metrics.update(data.tool_stats)   # time/tools_s: part of time/gen_s
         if run.peak_flops:
             metrics.update(model_flops_utilisation(run, batch, updates, world))
         metrics = reduce_metrics(accelerator, {**metrics, **times})
@@ -675,7 +694,7 @@ def validate_and_log(run: Run, step: int, metrics: dict, bar, postfix: dict) -> 
     cfg, accelerator, tracker, val, guards = run.cfg, run.accelerator, run.tracker, run.val, run.guards
     if val and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
         start = time.perf_counter()
-        val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val)
+        val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val, run.tools)
         metrics.update(val_metrics)
         metrics["time/val_s"] = time.perf_counter() - start
         tracker.log_samples(step, samples)
@@ -715,7 +734,7 @@ def main(cfg: Config) -> None:
     status, final_dir, bar = "FAILED", None, None
     try:
         if val and cfg.val_before_train and not run.resumed:
-            val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val)
+            val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val, run.tools)
             tracker.log(0, val_metrics)
             tracker.log_samples(0, samples)
         bar = tqdm(desc="ppo", initial=run.first_step - 1, total=cfg.total_training_steps,

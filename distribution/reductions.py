@@ -25,6 +25,12 @@ def min_over_ranks(accelerator):
     return agree
 
 
+def any_over_ranks(accelerator):
+    """local flag -> whether any rank's is set; a collective, so every rank calls it together."""
+    agree = max_over_ranks(accelerator)
+    return lambda local: agree(int(bool(local))) > 0
+
+
 def gather_rows(accelerator, t):
     """Every rank's [b, R_rank] rows -> the whole batch [B, R_max] on every rank, in rank order."""
     return accelerator.gather(accelerator.pad_across_processes(t, dim=1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from config import Config, _split_files
@@ -54,14 +54,17 @@ class PromptSet:
     texts: list[str]                 # the prompt as the model sees it (chat template applied)
     ids: list[list[int]]             # its token ids
     columns: dict[str, list]         # other dataset columns the reward function asks for (e.g. ground_truth)
+    rows: list[dict] = field(default_factory=list)   # keep_rows: every column of each row (multi-turn tools)
 
     def take(self, idx, repeat: int = 1) -> "PromptSet":
         """Rows idx, each repeated `repeat` times in place (one per sampled response)."""
         pick = lambda values: [values[i] for i in idx for _ in range(repeat)]   # noqa: E731
-        return PromptSet(pick(self.texts), pick(self.ids), {k: pick(v) for k, v in self.columns.items()})
+        return PromptSet(pick(self.texts), pick(self.ids), {k: pick(v) for k, v in self.columns.items()},
+                         pick(self.rows) if self.rows else [])
 
 
-def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str, columns=(), reward_fn="") -> PromptSet:
+def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str, columns=(), reward_fn="",
+                 keep_rows: bool = False) -> PromptSet:
     """Prompts from parquet/jsonl files, tokenized; every problem names the file (and row)."""
     out = PromptSet([], [], {c: [] for c in columns})
     for path in _split_files(files):
@@ -94,6 +97,9 @@ def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str,
         for column in columns:
             values = frame[column].tolist()
             out.columns[column] += [values[i] for i in kept]
+        if keep_rows:   # plain Python values (parquet gives numpy arrays for lists)
+            records = frame.to_dict("records")
+            out.rows += [{k: _plain(v) for k, v in records[i].items()} for i in kept]
         if len(kept) < len(frame):
             print(f"{path}: {len(frame) - len(kept)} of {len(frame)} prompts are longer than max_prompt_length="
                   f"{max_len} and left out (prompt_truncation=drop)", file=sys.stderr, flush=True)
@@ -125,6 +131,16 @@ def load_sft(cfg: Config, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
             prompts.append(p)
             responses.append(r)
     return prompts, responses
+
+
+def _plain(value):
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def _render_prompt(prompt, tokenizer, path, row, column: str = "the prompt column") -> str:

@@ -39,3 +39,19 @@ def compute_score(prompts: list[str], responses: list[str]) -> list[float]:
 
 
 compute_score.is_verifier = True
+
+
+def final_answer_score(prompts: list[str], responses: list[str], messages: list[list[dict]]) -> list[float]:
+    """Multi-turn (tools): 1.0 where the last number of the final assistant turn is the result of
+    the first user message's "A*B=" problem, else 0.0 (a trajectory that ends on a tool call or is
+    cut off scores 0). Takes `messages`, the conversation, which multi-turn rollouts provide."""
+    scores = []
+    for conversation in messages:
+        question = next(m["content"] for m in conversation if m["role"] == "user")
+        last = conversation[-1]["content"] if conversation[-1]["role"] == "assistant" else ""
+        numbers = re.findall(r"-?\d+", last.split("</tool_call>")[-1])
+        scores.append(1.0 if numbers and int(numbers[-1]) == _expected(question) else 0.0)
+    return scores
+
+
+final_answer_score.is_verifier = True

@@ -101,25 +101,38 @@ class Scorer:
         self.is_verifier = bool(getattr(self.fn, "is_verifier", False))
         self.columns = reward_fn_columns(self.fn) if self.fn else []
 
-    def __call__(self, prompts: PromptSet, responses: list[list[int]], batch: dict, micro: int) -> torch.Tensor:
+    def __call__(self, prompts: PromptSet, responses: list[list[int]], batch: dict, micro: int,
+                 trajectory: dict | None = None) -> torch.Tensor:
+        """trajectory (multi-turn): messages, tool_calls, tool_errors, env_reward per sample; the
+        function gets those it names as parameters, and the environment's reward is added."""
+        trajectory = trajectory or {}
         if self.reward_model is not None:
             scores = forward_in_micro_batches(lambda mb: reward_model_scores(self.reward_model, mb), batch, micro)
         else:
             texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-            scores = score_with_fn(self.fn, self.cfg.reward_fn, prompts.texts, texts, prompts.columns,
+            columns = {**prompts.columns, **{k: v for k, v in trajectory.items() if k in self.columns}}
+            scores = score_with_fn(self.fn, self.cfg.reward_fn, prompts.texts, texts, columns,
                                    self.cfg.skip_nonfinite_rewards)
+        if "env_reward" in trajectory:
+            scores = scores + torch.tensor(trajectory["env_reward"], dtype=scores.dtype, device=scores.device)
         return scores                                                             # [B]
 
+    def dataset_columns(self, trajectory_columns=()) -> list[str]:
+        """The columns to read from the data: what the function takes, less what a trajectory provides."""
+        return [c for c in self.columns if c not in trajectory_columns]
 
-def shape_scores(cfg: Config, scores, lengths, truncated, valid=None):
-    """Training rewards from raw scores: DAPO overlong shaping, the truncation penalty, then
-    clipping; a dropped sample (valid False: a non-finite score) gets 0, no penalty. Validation
-    and reward/* metrics report the raw scores."""
+
+def shape_scores(cfg: Config, scores, lengths, truncated, valid=None, bonus=None):
+    """Training rewards from raw scores: DAPO overlong shaping, the truncation penalty, a bonus (the
+    multi-turn tool_call_bonus), then clipping; a dropped sample (valid False: a non-finite score)
+    gets 0, no penalty. Validation and reward/* metrics report the raw scores."""
     if cfg.overlong_buffer_len > 0:
         scores = scores + overlong_penalty(lengths, cfg.max_response_length, cfg.overlong_buffer_len,
                                            cfg.overlong_penalty_factor)
     if cfg.truncation_penalty:
         scores = scores - cfg.truncation_penalty * truncated.to(scores.dtype)
+    if bonus is not None:
+        scores = scores + bonus.to(scores)
     if cfg.reward_clip > 0:
         scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
     if valid is not None:

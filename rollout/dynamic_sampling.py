@@ -9,6 +9,7 @@ passes) and ends with exactly its share of train_batch_size groups.
 """
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ class Sampled:
     responses: list[list[int]]
     logprobs: list[list[float]] | None     # the sampler's, per response token (the engine's RolloutOutput)
     scores: torch.Tensor                   # [b] the reward's raw scores (NaN/inf kept: collect drops them)
+    tools: typing.Any = None               # multi-turn: the ToolRolloutOutput (not with dynamic sampling)
 
     def groups(self, keep: list[int], n: int) -> "Sampled":
         """The groups numbered keep, in that order."""

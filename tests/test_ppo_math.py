@@ -559,6 +559,12 @@ def test_place_scores_on_last_real_response_token():
     assert out.tolist() == [[0.0, 2.5, 0.0], [0.0, 0.0, -1.0], [0.25, 0.0, 0.0]]
 
 
+
+def test_place_scores_last_is_the_last_token_of_mask_one_when_the_mask_has_gaps():
+    # multi-turn: tool tokens (mask 0) sit between and after the policy's tokens
+    out = place_scores(t([2.0, -1.0]), t([[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0]]), "last", 0.9)
+    close(out, t([[0, 0, 0, 0, 2.0, 0], [-1.0, 0, 0, 0, 0, 0]]))
+
 def test_place_scores_uniform_spreads_score_over_length():
     out = place_scores(t([2.5, -1.0, 0.25]), t(PLACE_MASK), "uniform", 0.9)
     close(out, [[1.25, 1.25, 0.0], [-1 / 3, -1 / 3, -1 / 3], [0.25, 0.0, 0.0]])
@@ -668,6 +674,7 @@ def test_config_clip_ratio_c_must_exceed_1(base, value):
     ("--max_num_gen_batches=-1", "max_num_gen_batches"),
     ("--filter_groups_enable=true --rollout_n=1", "rollout_n"),
     ("--filter_groups_enable=true --filter_groups_metric=seq_final_reward --use_kl_in_reward=true", "seq_final_reward"),
+    ("--filter_groups_enable=true --rollout_n=2 --tools=rollout.tools.builtin:calculator", "tools/environment"),
 ])
 def test_config_reward_placement_and_filter_groups_are_checked(base, arg, key):
     assert key in error_of(base + arg.split())

@@ -460,7 +460,11 @@ MEMORISED = [("What is 6*7?", [call_text("calculator", {"expression": "6*7"}), "
 
 @pytest.fixture(scope="module")
 def memorised(tokenizer, calc_tools):
-    """A tiny Qwen2 trained until it reproduces MEMORISED's assistant turns (every model token at
+    return memorise(tokenizer, calc_tools)
+
+
+def memorise(tokenizer, calc_tools):
+    """A tiny Qwen2 (head_dim 32, which vLLM's CPU attention supports) trained until it reproduces MEMORISED's assistant turns (every model token at
     probability > 0.9), and each conversation's token ids as the template renders them."""
     chat = ChatFormat(tokenizer, calc_tools.schemas)
     rows = []
@@ -478,7 +482,7 @@ def memorised(tokenizer, calc_tools):
                 messages += [{"role": "tool", "content": t} for t in texts]
         rows.append((len(chat.prompt_ids(messages[:1])), ids, model))
     config = Qwen2Config(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
                          tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)

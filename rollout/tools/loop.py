@@ -72,12 +72,13 @@ class Trajectory:
 def run_multiturn(engine: RolloutEngine, chat: ChatFormat, prompts: list[list[dict]], envs: list,
                   params: SamplingParams, max_response_length: int, max_turns: int,
                   rows: list[dict] | None = None, tool_workers: int = 8,
-                  any_active: Callable[[bool], bool] | None = None) -> list[Trajectory]:
+                  any_active: Callable[[bool], bool] | None = None, clock: dict | None = None) -> list[Trajectory]:
     """One trajectory per prompt (expand prompts for rollout_n; params.n is taken as 1).
     prompts: chat messages; envs: one environment per prompt, reset here with rows[i] (the data row).
     any_active: under ZeRO-3 every rank must run the same number of generation passes; given, it
     reduces "this rank still has trajectories" across ranks (any), and a rank with none left runs
-    one-token filler passes until all are done."""
+    one-token filler passes until all are done. clock: gets "tools_s", the wall time spent waiting
+    on the environments (tool calls) between generation passes."""
     assert len(prompts) == len(envs), "one environment per prompt"
     trajectories = []
     for i, (messages, env) in enumerate(zip(prompts, envs)):
@@ -108,7 +109,10 @@ def run_multiturn(engine: RolloutEngine, chat: ChatFormat, prompts: list[list[di
                     continue
                 traj.messages.append({"role": "assistant", "content": chat.assistant_text(ids)})
                 stepping.append(i)
-            steps = pool.map(lambda i: _step(envs[i], trajectories[i].messages[-1]["content"]), stepping)
+            waited = time.perf_counter()
+            steps = list(pool.map(lambda i: _step(envs[i], trajectories[i].messages[-1]["content"]), stepping))
+            if clock is not None:
+                clock["tools_s"] = clock.get("tools_s", 0.0) + time.perf_counter() - waited
             active = []
             for i, (observation, reward, done, info, seconds) in zip(stepping, steps):
                 traj = trajectories[i]

@@ -1,0 +1,252 @@
+"""Multi-turn tool use in training (issue 22): the tool mask through the real update and advantage
+code, and train_ppo.py runs with tools on a tiny Qwen2 that memorised two tool conversations
+(tests/test_tools.py's MEMORISED) under Qwen2.5's chat template, single process and 2-process ZeRO-3.
+"""
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from config import Config
+from mlflow_store import sqlite_uri
+from rollout import SamplingParams
+from rollout.hf import HFEngine
+from rollout.tools import ToolSet
+from rollout.tools.rollouts import ToolRollouts
+from test_tools import CALC, MEMORISED, memorise, qwen_style_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "train_ppo.py"
+REWARD = "tests.tool_rewards:answered"   # imported by the run, away from pytest
+TOOL_KEYS = ["tools/calls_per_sample", "tools/error_rate", "tools/turns_mean", "tools/truncated_rate", "time/tools_s"]
+
+
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The memorised tiny Qwen2 on disk, its tokenizer's pad token = its EOS (<|im_end|>), so every
+    turn's end inside a trajectory looks like padding to anything that infers padding from ids."""
+    tokenizer = qwen_style_tokenizer()
+    chat, model, _ = memorise(tokenizer, ToolSet.from_specs([CALC]))
+    path = tmp_path_factory.mktemp("tool_model")
+    tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    data = path / "prompts.jsonl"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": q}] for q, _ in MEMORISED]}).to_json(
+        data, orient="records", lines=True)
+    return path, data, model, tokenizer
+
+
+def tool_config(**kw):
+    return Config(**{"tools": CALC, "max_prompt_length": 1024, "max_response_length": 256, "train_batch_size": 2,
+                     "rollout_n": 1, "ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_device": 2, "ppo_epochs": 1,
+                     **kw})
+
+
+@pytest.fixture(scope="module")
+def rolled_out(model_dir):
+    """Two real trajectories (one with a calculator call) from the hf engine, batched as phase 1 does."""
+    _, _, model, tokenizer = model_dir
+    cfg = tool_config()
+    tools = ToolRollouts(cfg, tokenizer)
+    prompts = _prompt_set(tokenizer)
+    torch.manual_seed(0)
+    out = tools.generate(HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id), prompts,
+                         SamplingParams(temperature=0.1, max_tokens=cfg.max_response_length))
+    return cfg, out, out.batch(tokenizer.pad_token_id)
+
+
+def _prompt_set(tokenizer):
+    from prompts.sets import PromptSet
+    messages = [[{"role": "user", "content": q}] for q, _ in MEMORISED]
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+    return PromptSet(texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], {},
+                     [{"prompt": m} for m in messages])
+
+
+@pytest.mark.slow
+def test_pad_equal_to_eos_keeps_whole_trajectories(rolled_out, model_dir):
+    """pad == EOS: the batch covers every token of each trajectory, inner end-of-turn tokens included."""
+    _, out, batch = rolled_out
+    eos = model_dir[3].eos_token_id
+    first = out.trajectories[0]
+    assert (first.turns, first.tool_calls, first.stop_reason) == (2, 1, "done")
+    inner = [i for i, t in enumerate(first.response_ids[:-1]) if t == eos]
+    assert inner, "the first trajectory has an end-of-turn token before its last"
+    P = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    for row, t in enumerate(out.trajectories):
+        assert batch["attention_mask"][row, P:].sum() == len(t.response_ids)
+        assert batch["responses"][row, :len(t.response_ids)].tolist() == t.response_ids
+        assert batch["response_mask"][row, :len(t.mask)].tolist() == [float(m) for m in t.mask]
+        assert batch["response_mask"][row, len(t.mask):].sum() == 0
+    assert 0 < batch["response_mask"][0].sum() < len(first.response_ids)   # tool tokens are left out
+
+
+def _actor_update(model, batch, cfg):
+    """One real update_actor pass (policy loss, KL loss, entropy bonus) -> the gradient of every parameter."""
+    from accelerate import Accelerator
+    from contextlib import nullcontext
+    import train_ppo
+    model = copy.deepcopy(model).train()
+    grads = {}
+    optim = torch.optim.SGD(model.parameters(), lr=0.0)
+    original_step = optim.step
+
+    def keep_grads(*a, **k):   # the gradients as the optimizer sees them, after clipping
+        grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        return original_step(*a, **k)
+    optim.step = keep_grads
+    train_ppo.update_actor(Accelerator(cpu=True), model, optim, batch, cfg, nullcontext, False,
+                           temperature=1.0, entropy_coeff=0.01)
+    return grads
+
+
+@pytest.mark.slow
+def test_tool_tokens_get_no_gradient_in_the_update(rolled_out, model_dir):
+    """Garbage at tool tokens (advantages, old and ref log-probs, importance weights) changes no
+    gradient of the real update; the same garbage at one model token does."""
+    cfg, out, batch = rolled_out
+    cfg = tool_config(use_kl_loss=True, max_grad_norm=1e9)
+    model = model_dir[2]
+    R = batch["responses"].shape[1]
+    torch.manual_seed(1)
+    batch.update(old_logprob=-torch.rand(2, R), ref_logprob=-torch.rand(2, R), advantages=torch.randn(2, R),
+                 is_weights=torch.rand(2, R) + 0.5)
+    tool_tokens = (batch["response_mask"] == 0) & (batch["attention_mask"][:, -R:] == 1)            # [2, R]
+    assert tool_tokens.sum() > 10
+
+    def spoiled(where):
+        b = {k: v.clone() for k, v in batch.items()}
+        for key in ("old_logprob", "ref_logprob", "advantages", "is_weights"):
+            b[key][where] = 1e3
+        return b
+
+    clean = _actor_update(model, batch, cfg)
+    at_tools = _actor_update(model, spoiled(tool_tokens), cfg)
+    assert clean and all(torch.equal(clean[n], at_tools[n]) for n in clean)
+    model_token = torch.zeros_like(tool_tokens)
+    model_token[0, 0] = True
+    at_model = _actor_update(model, spoiled(model_token), cfg)
+    assert any(not torch.equal(clean[n], at_model[n]) for n in clean)
+
+
+@pytest.mark.slow
+def test_tool_tokens_carry_no_reward_kl_or_advantage(rolled_out):
+    """Phase 4 (KL in the reward, GAE): the values, log-probs and rewards at tool tokens do not move a
+    model token's advantage, and the score sits on the last model token."""
+    from accelerate import Accelerator
+    import kl
+    import train_ppo
+    from core_algos import place_scores
+    cfg, out, batch = rolled_out
+    R = batch["responses"].shape[1]
+    mask = batch["response_mask"]
+    scores = place_scores(torch.tensor([1.0, 0.5]), mask, "last", 1.0)                             # [2, R]
+    for row in range(2):
+        last_model = max(i for i, m in enumerate(out.trajectories[row].mask) if m)
+        assert scores[row].nonzero().flatten().tolist() == [last_model]
+    tool_tokens = (mask == 0) & (batch["attention_mask"][:, -R:] == 1)
+    torch.manual_seed(2)
+    base = dict(old_logprob=-torch.rand(2, R), ref_logprob=-torch.rand(2, R), values=torch.randn(2, R))
+
+    def advantages(spoil):
+        b = {**batch, **{k: v.clone() for k, v in base.items()}}
+        if spoil:
+            for key in base:
+                b[key][tool_tokens] = 1e3
+        train_ppo.rewards_and_advantages(tool_config(kl_coef=0.1), Accelerator(cpu=True),
+                                         kl.make_kl_controller("fixed", 0.1, 0.1, 10000), b, scores,
+                                         torch.arange(2), torch.ones(2, dtype=torch.bool))
+        return b["advantages"], b["returns"]
+
+    (adv, ret), (adv_spoiled, ret_spoiled) = advantages(False), advantages(True)
+    assert torch.allclose(adv[mask > 0], adv_spoiled[mask > 0]) and torch.allclose(ret[mask > 0], ret_spoiled[mask > 0])
+    assert adv[mask > 0].abs().sum() > 0
+
+
+def run_args(model_path, data, out, *extra):
+    return [f"--model_path={model_path}", f"--train_files={data}", f"--val_files={data}", f"--output_dir={out}",
+            f"--tools={CALC}", f"--reward_fn={REWARD}", "--max_prompt_length=1024", "--max_response_length=256",
+            "--temperature=0.1", "--train_batch_size=2", "--rollout_n=2", "--ppo_mini_batch_size=2",
+            "--ppo_micro_batch_size_per_device=4", "--ppo_epochs=1", "--total_training_steps=2", "--test_freq=2",
+            "--actor_lr=1e-5", "--critic_lr=1e-5", "--mlflow_log_model=false", *extra]
+
+
+def check_tool_metrics(out):
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in records[1:]:
+        missing = [k for k in TOOL_KEYS if k not in r]
+        assert not missing, f"step {r['step']} lacks {missing}"
+        bad = {k: v for k, v in r.items() if not math.isfinite(v)}
+        assert not bad, f"step {r['step']} has non-finite {bad}"
+        # one prompt of two calls the calculator: a half call and 1.5 turns per sample, no error
+        assert r["tools/calls_per_sample"] == pytest.approx(0.5)
+        assert r["tools/turns_mean"] == pytest.approx(1.5)
+        assert r["tools/error_rate"] == 0 and r["tools/truncated_rate"] == 0
+        assert r["reward/accuracy"] == pytest.approx(1.0)
+    assert records[2]["val/accuracy"] == pytest.approx(1.0)   # greedy validation runs the tool too
+    return records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_train_with_the_calculator(model_dir, tmp_path, engine):
+    """A short run with the calculator on either engine; the sampler's log-probs line up with the
+    actor's at the model tokens (rollout/logprob_diff of fp32 rounding, tool tokens left out)."""
+    model_path, data, _, _ = model_dir
+    env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(SCRIPT), *run_args(model_path, data, tmp_path / "out"),
+                           f"--rollout_engine={engine}", "--rollout_is=token"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    records = check_tool_metrics(tmp_path / "out")
+    for r in records[1:]:
+        assert r["rollout/logprob_diff"] < 1e-3
+    print({k: records[1][k] for k in TOOL_KEYS + ["rollout/logprob_diff"]})
+
+
+@pytest.mark.slow
+def test_zero3_two_processes_with_skewed_turns(model_dir, tmp_path):
+    """Each step gives one rank the calculator prompt (2 turns) and the other "Say hi." (1 turn): the
+    rank that finishes first runs filler passes, so ZeRO-3's gathered generation does not hang."""
+    model_path, data, _, _ = model_dir
+    env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "zero3.yaml"), "--main_process_port", str(29500 + os.getpid() % 1000 + 7),
+           str(SCRIPT), *run_args(model_path, data, tmp_path / "out", "--rollout_n=1")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    check_tool_metrics(tmp_path / "out")
+
+
+def test_tools_and_environment_are_exclusive():
+    from config import load_config
+    from errors import UserError
+    with pytest.raises(UserError, match="set tools or environment, not both"):
+        load_config([f"--tools={CALC}", "--environment=tests.test_tools:CountdownEnv"])
+    with pytest.raises(UserError, match="max_turns must be > 0"):
+        load_config([f"--tools={CALC}", "--max_turns=0"])
+
+
+def test_final_answer_score_reads_the_last_assistant_turn():
+    from rewards.arithmetic import final_answer_score
+    user = {"role": "user", "content": "47*38="}
+    call = {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "47*38"}}\n</tool_call>'}
+    tool = {"role": "tool", "content": "1786"}
+    assert final_answer_score(["p"] * 4, ["r"] * 4, [
+        [user, call, tool, {"role": "assistant", "content": "47*38 = 1786"}],
+        [user, call, tool, {"role": "assistant", "content": "It is 1785."}],
+        [user, call],                 # ended on a call (max_turns): no answer
+        [user, call, tool]]) == [1.0, 0.0, 0.0, 0.0]
