@@ -140,3 +140,11 @@ def test_scheduler_limits_reach_the_vllm_engine(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     lines = [ln.split()[1:] for ln in proc.stdout.splitlines() if ln.startswith("SCHED")]
     assert lines == [["96", "3"]], proc.stdout + proc.stderr[-3000:]
+
+
+def test_pf_ppo_settings_are_checked():
+    config.validate_config(config.Config(use_pf_ppo=True, pf_ppo_reweight_method="max_min"))
+    with pytest.raises(UserError, match="use_pf_ppo.*adv_estimator=gae"):
+        config.validate_config(config.Config(use_pf_ppo=True, adv_estimator="grpo", use_kl_in_reward=False))
+    with pytest.raises(UserError, match="pf_ppo_reweight_method must be one of .*max_random"):
+        config.validate_config(config.Config(pf_ppo_reweight_method="softmax"))
