@@ -148,3 +148,17 @@ def test_pf_ppo_settings_are_checked():
         config.validate_config(config.Config(use_pf_ppo=True, adv_estimator="grpo", use_kl_in_reward=False))
     with pytest.raises(UserError, match="pf_ppo_reweight_method must be one of .*max_random"):
         config.validate_config(config.Config(pf_ppo_reweight_method="softmax"))
+
+
+@pytest.mark.slow
+def test_pf_ppo_redraws_the_update_batch_not_the_rollouts(tmp_path):
+    """One demo step with and without PF-PPO (max_min: only the best- and worst-scored rows are
+    drawn): the same rollouts (the redraw comes after sampling and scoring), a different update."""
+    records = {}
+    for on in (False, True):
+        records[on] = _train(tmp_path, tmp_path / f"pf_{on}", "--total_training_steps=1", f"--use_pf_ppo={str(on).lower()}",
+                             "--pf_ppo_reweight_method=max_min")[0]
+    for key in ("reward/score_mean", "reward/score_median", "rollout/response_len_mean", "kl/mean"):
+        assert records[True][key] == records[False][key], key
+    assert records[True]["actor/pg_loss"] != records[False]["actor/pg_loss"]
+    assert records[True]["critic/vf_loss"] != records[False]["critic/vf_loss"]
