@@ -37,7 +37,7 @@ from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_
 from distribution import plugins as distributed
 from distribution.plugins import gathered_params, param_share
 from distribution.prepare import check_world_size, make_accelerator, prepare_models
-from distribution.reductions import gather_rows, max_over_ranks, reduce_metrics
+from distribution.reductions import gather_rows, max_over_ranks, median_over_ranks, reduce_metrics
 from errors import UserError
 from forward.batch import (forward_in_micro_batches, is_truncated, micro_batches, mini_batches, pack_batch,
                            sampler_logprobs, select, to_device)
@@ -594,8 +594,7 @@ def train_step(run: Run, step: int) -> dict:
         metrics.update({
             "reward/score_mean": scores.mean().item(),
             "reward/score_std": scores.std().item() if len(scores) > 1 else 0.0,
-            # over every rank's scores, gathered (a mean of per-rank medians is not the median)
-            "reward/score_median": accelerator.gather(scores.double()).quantile(0.5).item(),
+            "reward/score_median": median_over_ranks(accelerator, scores),
             "rollout/response_len_mean": mask.sum(-1).mean().item(),
             "rollout/truncated_frac": truncated.float().mean().item(),
             "perf/tokens": batch["attention_mask"].sum().item() * world,   # the mean over ranks makes it a sum

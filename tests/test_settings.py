@@ -162,3 +162,33 @@ def test_pf_ppo_redraws_the_update_batch_not_the_rollouts(tmp_path):
         assert records[True][key] == records[False][key], key
     assert records[True]["actor/pg_loss"] != records[False]["actor/pg_loss"]
     assert records[True]["critic/vf_loss"] != records[False]["critic/vf_loss"]
+
+
+MEDIAN_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from config import Config
+from distribution.prepare import make_accelerator
+from distribution.reductions import median_over_ranks, reduce_metrics
+acc, _ = make_accelerator(Config())   # as train_ppo.py makes it
+mine = torch.tensor([[0.0, 0.0, 0.0, 10.0], [1.0, 1.0, 1.0, 1.0]][acc.process_index])
+median = median_over_ranks(acc, mine)
+reduced = reduce_metrics(acc, {{"reward/score_median": median}})["reward/score_median"]
+print(f"RANK {{acc.process_index}}/{{acc.num_processes}} {{median}} {{reduced}}", flush=True)
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_score_median_is_the_median_of_every_ranks_scores(tmp_path):
+    """2 processes launched as the trainer is (ZeRO-3 config, gloo): rank 0 scores [0, 0, 0, 10], rank 1 [1, 1, 1, 1]. The median of all
+    eight is 1 on both ranks, and stays 1 through the step's reduction (a mean of the per-rank
+    medians would be 0.5)."""
+    script = tmp_path / "median.py"
+    script.write_text(MEDIAN_SCRIPT.format(root=str(ROOT)))
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(ROOT / "accelerate_configs" / "zero3.yaml"), f"--main_process_port={29700 + os.getpid() % 200}",
+                           str(script)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    lines = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("RANK"))
+    assert lines == ["RANK 0/2 1.0 1.0", "RANK 1/2 1.0 1.0"], proc.stdout + proc.stderr[-3000:]
