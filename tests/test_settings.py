@@ -192,3 +192,15 @@ def test_score_median_is_the_median_of_every_ranks_scores(tmp_path):
                           capture_output=True, text=True, timeout=300)
     lines = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("RANK"))
     assert lines == ["RANK 0/2 1.0 1.0", "RANK 1/2 1.0 1.0"], proc.stdout + proc.stderr[-3000:]
+
+
+def test_the_schedule_follows_the_steps_counted_from_epochs():
+    """lr_warmup_steps_ratio and the cosine length apply to the run's counted length (verl: ratio x
+    total_training_steps, itself derived from the epochs), not to total_training_steps' default."""
+    from modeling import loading
+    model = torch.nn.Linear(2, 2)
+    cfg = config.Config(total_epochs=2, lr_warmup_steps_ratio=0.5, lr_scheduler_type="cosine")   # 300 steps unused
+    sched = loading.make_optimizer(model, 1.0, cfg, config.total_steps(cfg, 4 * cfg.train_batch_size))[1]   # 8 steps
+    factors = [sched.lr_lambdas[0](i) for i in range(9)]
+    assert factors[:5] == [0.0, 0.25, 0.5, 0.75, 1.0]            # 4 warmup steps = 0.5 x 8
+    assert factors[8] == pytest.approx(0.0)                       # the cosine ends at step 8
