@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import kl
-from core_algos import LOSS_AGG_MODES, REWARD_PLACEMENTS
+from core_algos import LOSS_AGG_MODES, PF_PPO_METHODS, REWARD_PLACEMENTS
 from errors import UserError
 
 
@@ -80,7 +80,10 @@ class Config:
     # run
     output_dir: str = opt("runs/demo", "where config.yaml, metrics.jsonl and final/ go")
     seed: int = opt(0, "seed for data order, sampling and initialisation")
-    total_training_steps: int = opt(300, "PPO iterations")
+    total_training_steps: int = opt(300, "PPO iterations (when total_epochs is 0)")
+    total_epochs: int = opt(0, "passes over train_files: > 0 runs total_epochs x (rows // train_batch_size) steps, "
+                               "counted at setup after prompt_truncation (verl's trainer.total_epochs); 0 = "
+                               "total_training_steps")
     train_batch_size: int = opt(64, "prompts per iteration (all ranks together)")
     test_freq: int = opt(25, "validate every N steps (and after the last); -1 = never")
     val_before_train: bool = opt(True, "validate before the first step (logged as step 0)")
@@ -131,6 +134,12 @@ class Config:
     rollout_gpu_memory_utilization: float = opt(0.5, "vllm on GPU: share of GPU memory the engine may take")
     rollout_kv_cache_gb: float = opt(1.0, "vllm on CPU: KV cache size in GiB")
     rollout_sync_bucket_mb: float = opt(256.0, "vllm: weight sync gathers ZeRO-3 shards this many MiB at a time")
+    rollout_max_num_batched_tokens: typing.Optional[int] = opt(None, "vllm: tokens the scheduler batches in one "
+                                                                     "engine step; None = vLLM's default")
+    rollout_max_num_seqs: typing.Optional[int] = opt(None, "vllm: sequences running at once in one engine; None = "
+                                                           "vLLM's default")
+    rollout_tensor_model_parallel_size: int = opt(1, "vllm on GPU: each engine spans this many consecutive ranks "
+                                                     "(tensor parallel, one engine per group); 1 on CPU")
     rollout_fallback_hf: bool = opt(False, "vllm: if the engine cannot start, generate with the hf engine instead")
     rollout_max_logprob_diff: float = opt(0.0, "react when rollout/logprob_diff (sampler vs actor) exceeds this; "
                                                "0 = never")
@@ -174,6 +183,9 @@ class Config:
     log_prob_micro_batch_size_per_device: typing.Optional[int] = opt(
         None, "sequences per no-grad forward pass (old and reference log-probs, values; nothing kept for a backward "
               "pass, so it can be larger); None = ppo_micro_batch_size_per_device")
+    log_prob_max_token_len_per_device: typing.Optional[int] = opt(
+        None, "use_dynamic_bsz: tokens per micro-batch of the no-grad old and reference log-prob passes; None = "
+              "ppo_max_token_len_per_device")
     use_dynamic_bsz: bool = opt(False, "form micro-batches by token budget instead of a sequence count")
     ppo_max_token_len_per_device: int = opt(16384, "use_dynamic_bsz: prompt+response tokens per micro-batch")
     remove_padding: bool = opt(True, "pack each micro-batch's sequences end to end in one row, so no layer computes "
@@ -188,6 +200,9 @@ class Config:
                                               "keeping them: less memory, about a third more compute")
     critic_gradient_checkpointing: typing.Optional[bool] = opt(None, "the same for the critic; None = "
                                                                      "gradient_checkpointing")
+    activation_offload: bool = opt(False, "with gradient checkpointing: the checkpointed layers' saved inputs wait in "
+                                          "CPU memory during the update's forward, back on the device for the "
+                                          "backward (verl's enable_activation_offload; actor and critic)")
     ref_offload: bool = opt(False, "DeepSpeed ZeRO-3: keep the reference model's parameters in CPU memory")
     reward_offload: bool = opt(False, "DeepSpeed ZeRO-3: keep the reward model's parameters in CPU memory")
     # advantages and rewards
@@ -204,6 +219,11 @@ class Config:
     use_kl_loss: bool = opt(False, "add kl_loss_coef * KL(actor || ref) to the actor loss")
     kl_loss_coef: float = opt(0.001, "KL-loss coefficient")
     kl_loss_type: str = opt("low_var_kl", "estimator for the KL loss (same names as kl_penalty)")
+    use_pf_ppo: bool = opt(False, "PF-PPO (gae): resample each rank's rollouts, with replacement, by weights "
+                                  "from their scores before the update (verl's algorithm.use_pf_ppo)")
+    pf_ppo_reweight_method: str = opt("pow", "PF-PPO weights: pow (|score|^pf_ppo_weight_pow) | max_min (only the "
+                                             "best and worst scores) | max_random (best 0.4, others 0.1)")
+    pf_ppo_weight_pow: float = opt(2.0, "PF-PPO: the power of the pow method")
     # losses
     clip_ratio: float = opt(0.2, "PPO clip range; the default for clip_ratio_low and clip_ratio_high")
     clip_ratio_low: typing.Optional[float] = opt(None, "lower clip range (ratio >= 1 - low); None = clip_ratio")
@@ -333,6 +353,20 @@ def validate_config(cfg: Config) -> None:
     for key in ("train_batch_size", "total_training_steps", "rollout_n", "ppo_epochs", "ppo_mini_batch_size",
                 "ppo_micro_batch_size_per_device", "max_prompt_length", "max_response_length", "rollout_micro_batch_size"):
         need(getattr(cfg, key) > 0, f"{key} must be > 0, got {getattr(cfg, key)}")
+    need(cfg.total_epochs >= 0, f"total_epochs must be >= 0 (0 = total_training_steps), got {cfg.total_epochs}")
+    for key in ("rollout_max_num_batched_tokens", "rollout_max_num_seqs", "log_prob_max_token_len_per_device"):
+        need(getattr(cfg, key) is None or getattr(cfg, key) > 0, f"{key} must be > 0 (or None), got {getattr(cfg, key)}")
+    need(cfg.rollout_tensor_model_parallel_size >= 1,
+         f"rollout_tensor_model_parallel_size must be >= 1, got {cfg.rollout_tensor_model_parallel_size}")
+    need(cfg.rollout_tensor_model_parallel_size == 1 or cfg.rollout_engine == "vllm",
+         f"rollout_tensor_model_parallel_size={cfg.rollout_tensor_model_parallel_size} needs rollout_engine=vllm")
+    need(not cfg.activation_offload or cfg.gradient_checkpointing or critic_checkpointing(cfg),
+         "activation_offload moves what checkpointed layers keep: it needs gradient_checkpointing (or "
+         "critic_gradient_checkpointing)")
+    need(cfg.pf_ppo_reweight_method in PF_PPO_METHODS,
+         f"pf_ppo_reweight_method must be one of {PF_PPO_METHODS}, got {cfg.pf_ppo_reweight_method!r}")
+    need(not cfg.use_pf_ppo or cfg.adv_estimator == "gae",
+         f"use_pf_ppo resamples GAE rollouts (as in verl): it needs adv_estimator=gae, got {cfg.adv_estimator!r}")
     need(cfg.clip_ratio_c > 1, f"clip_ratio_c must be > 1, got {cfg.clip_ratio_c}")
     need(cfg.malloc_mmap_threshold_mb >= 0, f"malloc_mmap_threshold_mb must be >= 0, got {cfg.malloc_mmap_threshold_mb}")
     need(cfg.peak_tflops >= 0, f"peak_tflops must be >= 0 (0 = look the device up), got {cfg.peak_tflops}")
@@ -451,7 +485,12 @@ class Schedule:
 
 
 def schedule(cfg: Config, role: str) -> Schedule:
-    """role: actor | critic. A critic_ key left at None takes the actor's value."""
+    """role: actor | critic | log_prob (the no-grad log-prob passes' token budget). A critic_ or
+    log_prob_ key left at None takes the actor's value."""
+    if role == "log_prob":
+        budget = cfg.log_prob_max_token_len_per_device or cfg.ppo_max_token_len_per_device
+        return Schedule(cfg.ppo_mini_batch_size, cfg.log_prob_micro_batch_size_per_device or
+                        cfg.ppo_micro_batch_size_per_device, 1, budget if cfg.use_dynamic_bsz else 0)
     def own(key):
         value = getattr(cfg, f"critic_{key}") if role == "critic" else None
         return getattr(cfg, key) if value is None else value
@@ -465,3 +504,15 @@ def critic_checkpointing(cfg: Config) -> bool:
 
 def _split_files(files: str) -> list[str]:
     return [f.strip() for f in files.split(",") if f.strip()]
+
+
+def total_steps(cfg: Config, rows: int) -> int:
+    """The run's length in steps: with total_epochs, epochs x (rows // train_batch_size), as verl
+    counts (its dataloader drops the last partial batch); else total_training_steps. Worked out at
+    setup from the rows actually loaded (after prompt_truncation=drop) and never written back."""
+    if not cfg.total_epochs:
+        return cfg.total_training_steps
+    if rows < cfg.train_batch_size:
+        raise UserError(f"total_epochs={cfg.total_epochs}: train_files has {rows} usable rows, fewer than "
+                        f"train_batch_size={cfg.train_batch_size}: not one step per epoch")
+    return cfg.total_epochs * (rows // cfg.train_batch_size)

@@ -12,6 +12,7 @@ import kl
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 REWARD_PLACEMENTS = ("last", "uniform", "decay")
+PF_PPO_METHODS = ("pow", "max_min", "max_random")
 
 
 def masked_sum(values, mask, dim=None):
@@ -238,6 +239,28 @@ def lr_factor(step, warmup_steps, total_steps, schedule, min_lr_ratio):
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def pf_ppo_weights(scores, method, weight_pow):
+    """PF-PPO's (policy-filtered PPO) resampling weights from sequence scores [B], verl's rules:
+    pow: |s|^weight_pow; max_min: 1 for the best and the worst score, 0 otherwise; max_random: 0.4
+    for the best, 0.1 otherwise. A floor of 1e-8 keeps every row drawable (all-zero weights too)."""
+    if method == "pow":
+        w = scores.abs().pow(weight_pow)                                            # [B]
+    elif method == "max_min":
+        w = ((scores == scores.max()) | (scores == scores.min())).to(scores.dtype)  # [B]
+    elif method == "max_random":
+        w = torch.where(scores == scores.max(), 0.4, 0.1).to(scores.dtype)         # [B]
+    else:
+        raise ValueError(f"PF-PPO reweight method must be one of {PF_PPO_METHODS}, got {method!r}")
+    return (w + 1e-8).clamp(min=1e-8)                                               # [B]
+
+
+def pf_ppo_resample(scores, method, weight_pow, generator=None):
+    """Row indices [B]: B draws with replacement in proportion to pf_ppo_weights (verl's
+    compute_pf_ppo_reweight_data, which then takes every tensor of the batch at these rows)."""
+    return torch.multinomial(pf_ppo_weights(scores, method, weight_pow), scores.shape[0], replacement=True,
+                             generator=generator)                                   # [B]
 
 
 def explained_variance(returns, values, mask):

@@ -29,17 +29,20 @@ from pathlib import Path
 import torch
 
 import kl
-from config import Config, HERE, _split_files, config_warnings, critic_checkpointing, load_config, schedule
+from config import (Config, HERE, _split_files, config_warnings, critic_checkpointing, load_config, schedule,
+                    total_steps)
 from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_reinforce_pp_advantages,
                         compute_reinforce_pp_baseline_advantages, compute_rloo_advantages, explained_variance,
-                        kl_in_reward, masked_mean, place_scores, policy_loss, rollout_is_weights, value_loss)
+                        kl_in_reward, masked_mean, pf_ppo_resample, place_scores, policy_loss, rollout_is_weights,
+                        value_loss)
 from distribution import plugins as distributed
 from distribution.plugins import gathered_params, param_share
 from distribution.prepare import check_world_size, make_accelerator, prepare_models
-from distribution.reductions import any_over_ranks, gather_rows, max_over_ranks, min_over_ranks, reduce_metrics
+from distribution.reductions import (any_over_ranks, gather_rows, max_over_ranks, median_over_ranks, min_over_ranks,
+                                     reduce_metrics)
 from errors import UserError
 from forward.batch import (forward_in_micro_batches, is_truncated, micro_batches, mini_batches, pack_batch,
-                           sampler_logprobs, to_device)
+                           sampler_logprobs, select, to_device)
 from forward.readouts import _unwrap, critic_values, response_logprobs
 from modeling.loading import load_models, recompute_activations
 from plumbing import config_docs, console, flops, host_memory, lean_imports
@@ -314,6 +317,7 @@ class Run:
     tracker: Tracker
     autocast: typing.Any
     first_step: int = 1
+    total_steps: int = 0            # the run's length: total_training_steps, or counted from total_epochs
     resumed: dict | None = None
     engine_state: dict | None = None   # the rollout engine's state from a checkpoint
     hf: typing.Any = None              # the actor as a sampler, for rollout_on_drift=regenerate
@@ -369,10 +373,11 @@ def setup(cfg: Config) -> Run:
                                       cfg.prompt_truncation, scorer.dataset_columns(TRAJECTORY_COLUMNS if tools else ()),
                                       cfg.reward_fn, keep_rows=tools is not None)
     train, val = read(cfg.train_files), (read(cfg.val_files) if cfg.val_files else None)
+    steps = total_steps(cfg, len(train.ids))
     sft = SFTStream(load_sft(cfg, tokenizer), sft_batch_size(cfg, world), cfg.seed, rank, world,
                     tokenizer.pad_token_id) if cfg.sft_files else None
     (actor, actor_optim, actor_sched, critic, critic_optim, critic_sched, ref,
-     scorer.reward_model) = prepare_models(accelerator, ds, cfg, actor, critic, ref, reward_model)
+     scorer.reward_model) = prepare_models(accelerator, ds, cfg, actor, critic, ref, reward_model, steps)
     set_seed(cfg.seed + rank)   # each rank samples differently; data order uses cfg.seed alone
     trained = {"actor": (actor, actor_optim, actor_sched)}
     if critic is not None:
@@ -380,7 +385,7 @@ def setup(cfg: Config) -> Run:
     run = Run(cfg, accelerator, ds, tokenizer, actor, critic, ref, trained, None, scorer,
               kl.make_kl_controller(cfg.kl_ctrl_type, cfg.kl_coef, cfg.target_kl, cfg.kl_horizon),
               train, val, PromptStream(len(train.ids), cfg.train_batch_size, cfg.seed), sft, Guards(cfg), None,
-              autocast)
+              autocast, total_steps=steps)
     run.tools = tools
     if resumed:
         restore(run, ckpt, resumed)
@@ -519,8 +524,8 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
     with timed(times, "forward"), run.autocast():
         logprobs_of = lambda model: lambda mb: response_logprobs(model, mb, temperature)[0]   # noqa: E731
-        actor_sched, critic_sched = schedule(cfg, "actor"), schedule(cfg, "critic")
-        passes = dict(size=micro, max_tokens=actor_sched.max_tokens, agree=max_over_ranks(accelerator))
+        critic_sched = schedule(cfg, "critic")
+        passes = dict(size=micro, max_tokens=schedule(cfg, "log_prob").max_tokens, agree=max_over_ranks(accelerator))
         truncation = (cfg.top_k, cfg.top_p) if cfg.top_k > 0 or cfg.top_p < 1 else None
         if truncation is None:
             batch["old_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, **passes)  # [b, R]
@@ -617,18 +622,20 @@ def train_step(run: Run, step: int) -> dict:
     # 4 rewards and advantages over the whole batch (timed with the forward passes: it is tiny)
     with timed(times, "forward"):
         metrics = rewards_and_advantages(cfg, accelerator, run.kl_ctrl, batch, token_scores, group_ids, valid)
+        if cfg.use_pf_ppo:   # PF-PPO: the update sees this rank's rollouts redrawn by their scores (with replacement)
+            batch = select(batch, pf_ppo_resample(token_scores.sum(-1), cfg.pf_ppo_reweight_method, cfg.pf_ppo_weight_pow))
 
     # 5 update: critic, then actor (after critic_warmup steps)
     updates: dict = {}   # each model's share of the update's time, for perf/mfu
     with timed(times, "update"):
         if run.critic is not None:
             critic, critic_optim, critic_sched = run.trained["critic"]
-            with recompute_activations(critic, critic_checkpointing(cfg)), timed(updates, "critic"):
+            with recompute_activations(critic, critic_checkpointing(cfg), cfg.activation_offload), timed(updates, "critic"):
                 metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, run.autocast, run.ds))
             critic_sched.step()
         if step >= cfg.critic_warmup:   # verl: update the actor once global_steps >= critic_warmup
             actor, actor_optim, actor_sched = run.trained["actor"]
-            with recompute_activations(actor, cfg.gradient_checkpointing), timed(updates, "actor"):
+            with recompute_activations(actor, cfg.gradient_checkpointing, cfg.activation_offload), timed(updates, "actor"):
                 metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, run.autocast, run.ds, run.sft,
                                             temperature, run.guards.entropy_coeff))
             metrics["actor/lr"] = actor_sched.get_last_lr()[0]
@@ -645,6 +652,7 @@ def train_step(run: Run, step: int) -> dict:
         metrics.update({
             "reward/score_mean": scores.mean().item(),
             "reward/score_std": scores.std().item() if len(scores) > 1 else 0.0,
+            "reward/score_median": median_over_ranks(accelerator, scores),
             "rollout/response_len_mean": mask.sum(-1).mean().item(),
             "rollout/truncated_frac": truncated.float().mean().item(),
             "perf/tokens": batch["attention_mask"].sum().item() * world,   # the mean over ranks makes it a sum
@@ -667,6 +675,7 @@ def train_step(run: Run, step: int) -> dict:
         metrics = reduce_metrics(accelerator, {**metrics, **times})
     metrics.update(times)   # this rank's own clock, so the phases add up to its step
     metrics["time/step_s"] = time.perf_counter() - step_start
+    metrics["time/sync_share"] = metrics["time/sync_s"] / metrics["time/step_s"]   # resharding's share of the step
     metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]
     if run.peak_flops:
         metrics["perf/mfu"] = metrics.pop("perf/flops") / (metrics["time/step_s"] * run.peak_flops * world)
@@ -692,7 +701,7 @@ def model_flops_utilisation(run: Run, batch: dict, updates: dict, world: int) ->
 def validate_and_log(run: Run, step: int, metrics: dict, bar, postfix: dict) -> None:
     """Phase 8's validation on its frequency, then the step's one log record and the progress bar."""
     cfg, accelerator, tracker, val, guards = run.cfg, run.accelerator, run.tracker, run.val, run.guards
-    if val and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == cfg.total_training_steps):
+    if val and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == run.total_steps):
         start = time.perf_counter()
         val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val, run.tools)
         metrics.update(val_metrics)
@@ -728,7 +737,7 @@ def main(cfg: Config) -> None:
     if accelerator.is_main_process:
         console.header(cfg.model_path, param_share(run.actor)[1], accelerator.num_processes,
                        distributed.zero_stage(accelerator), run.engine.name, Path(cfg.output_dir),
-                       getattr(tracker, "uri", ""), cfg.mlflow_experiment, cfg.total_training_steps)
+                       getattr(tracker, "uri", ""), cfg.mlflow_experiment, run.total_steps)
     stop, guards = StopSignal(), run.guards
     optimizer_steps = cfg.ppo_epochs * (cfg.train_batch_size // cfg.ppo_mini_batch_size)
     status, final_dir, bar = "FAILED", None, None
@@ -737,10 +746,10 @@ def main(cfg: Config) -> None:
             val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val, run.tools)
             tracker.log(0, val_metrics)
             tracker.log_samples(0, samples)
-        bar = tqdm(desc="ppo", initial=run.first_step - 1, total=cfg.total_training_steps,
+        bar = tqdm(desc="ppo", initial=run.first_step - 1, total=run.total_steps,
                    disable=not accelerator.is_main_process)
         step = run.first_step
-        while step <= cfg.total_training_steps:
+        while step <= run.total_steps:
             metrics = train_step(run, step)   # phases 1-7
             postfix = dict(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics.get('kl/mean', 0):.4f}",
                            step_s=f"{metrics['time/step_s']:.2f}")
@@ -760,7 +769,7 @@ def main(cfg: Config) -> None:
 
             # 8 checkpoint (on its frequency, or when asked to stop)
             stopping = stop.agreed(accelerator)
-            on_freq = cfg.save_freq > 0 and (step % cfg.save_freq == 0 or step == cfg.total_training_steps)
+            on_freq = cfg.save_freq > 0 and (step % cfg.save_freq == 0 or step == run.total_steps)
             if stopping or on_freq:
                 checkpoint(run, step)
             if stopping:

@@ -4,6 +4,8 @@ prepared (plugins.py does the DeepSpeed side with plain values).
 from __future__ import annotations
 
 
+import torch
+
 from config import Config, schedule
 from distribution import plugins as distributed
 from distribution.plugins import Role, param_share
@@ -31,21 +33,28 @@ def check_world_size(cfg: Config, world: int) -> None:
         if getattr(cfg, key) is not None and getattr(cfg, key) % world:
             raise UserError(f"{key}={getattr(cfg, key)} is not divisible by the {world} processes: change {key} "
                             f"or num_processes")
+    tp = cfg.rollout_tensor_model_parallel_size
+    if tp > 1 and not torch.cuda.is_available():
+        raise UserError(f"rollout_tensor_model_parallel_size={tp}: vLLM tensor parallelism needs GPUs and this machine "
+                        "has none: set rollout_tensor_model_parallel_size=1 (one engine per process)")
+    if tp > 1 and world % tp:
+        raise UserError(f"rollout_tensor_model_parallel_size={tp} does not divide the {world} processes (one vLLM "
+                        f"engine per group of {tp}): change it or num_processes")
 
 
-def prepare_models(accelerator, ds: bool, cfg: Config, actor, critic, ref, reward_model):
+def prepare_models(accelerator, ds: bool, cfg: Config, actor, critic, ref, reward_model, total_steps=None):
     """Trained models with their optimizers (and DeepSpeed engines under DeepSpeed); frozen ones as
     inference-only engines, or simply moved to the device."""
     def select(name):
         if ds:
             accelerator.state.select_deepspeed_plugin(name)
 
-    actor_optim, actor_sched = make_optimizer(actor, cfg.actor_lr, cfg)
+    actor_optim, actor_sched = make_optimizer(actor, cfg.actor_lr, cfg, total_steps)
     select("actor")
     actor, actor_optim = accelerator.prepare(actor, actor_optim)
     critic_optim = critic_sched = None
     if critic is not None:
-        critic_optim, critic_sched = make_optimizer(critic, cfg.critic_lr, cfg)
+        critic_optim, critic_sched = make_optimizer(critic, cfg.critic_lr, cfg, total_steps)
         select("critic")
         critic, critic_optim = accelerator.prepare(critic, critic_optim)
     frozen = []

@@ -31,6 +31,12 @@ def any_over_ranks(accelerator):
     return lambda local: agree(int(bool(local))) > 0
 
 
+def median_over_ranks(accelerator, values) -> float:
+    """The median of every rank's values [b] together, the same number on every rank (a collective):
+    gathered, since a mean of per-rank medians is not the median."""
+    return float(accelerator.gather(values.double()).quantile(0.5))
+
+
 def gather_rows(accelerator, t):
     """Every rank's [b, R_rank] rows -> the whole batch [B, R_max] on every rank, in rank order."""
     return accelerator.gather(accelerator.pad_across_processes(t, dim=1))

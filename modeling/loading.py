@@ -125,23 +125,42 @@ def load_models(cfg: Config):
 
 
 @contextmanager
-def recompute_activations(model, on: bool):
+def recompute_activations(model, on: bool, offload: bool = False):
     """Gradient checkpointing for the length of an update. Hugging Face checkpoints a decoder layer
     only when that layer is in training mode, and every model here stays in eval mode (dropout
     off), so only the layers' own flag is raised meanwhile; their submodules, dropout included,
-    stay in eval."""
+    stay in eval. offload (activation_offload): what a checkpointed layer keeps for its backward,
+    its inputs, waits in CPU memory and goes back to the device when the layer is recomputed."""
     if not on:
         yield
         return
     from transformers.modeling_layers import GradientCheckpointingLayer
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    saved = [layer.__dict__.get("_gradient_checkpointing_func") for layer in layers]
     for layer in layers:
         layer.training = True
+        if offload:
+            layer._gradient_checkpointing_func = _offloaded_checkpoint
     try:
         yield
     finally:
-        for layer in layers:
+        for layer, func in zip(layers, saved):
             layer.training = False
+            if offload:
+                layer._gradient_checkpointing_func = func
+
+
+def _offloaded_checkpoint(layer_call, *args):
+    """A non-reentrant checkpoint whose retained inputs are CPU copies: the device copy is made again
+    inside the layer (forward and recompute). Keyword tensors (masks, rotary tables) are shared by
+    every layer and stay put. On a CPU device .to("cpu") is the tensor itself: nothing moves."""
+    from torch.utils.checkpoint import checkpoint
+    device = next((a.device for a in args if torch.is_tensor(a)), torch.device("cpu"))
+    host = [a.to("cpu", non_blocking=True) if torch.is_tensor(a) else a for a in args]
+
+    def on_device(*inputs):
+        return layer_call(*[x.to(device, non_blocking=True) if torch.is_tensor(x) else x for x in inputs])
+    return checkpoint(on_device, *host, use_reentrant=False)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -211,12 +230,14 @@ def _load(key: str, path: str, loader, what: str = "model", **kwargs):
         raise UserError(f"{key}: cannot load a {what} from {path}: {first_line(e)}") from None
 
 
-def make_optimizer(model, lr: float, cfg: Config):
-    """AdamW and its schedule, which steps once per training step."""
+def make_optimizer(model, lr: float, cfg: Config, total_steps: int | None = None):
+    """AdamW and its schedule, which steps once per training step; total_steps: the run's length
+    (config.total_steps; default total_training_steps)."""
     # fused: one kernel over all tensors (on CPU about 5x faster than the per-tensor loop, same update)
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=cfg.weight_decay,
                               fused=True)
+    steps = cfg.total_training_steps if total_steps is None else total_steps
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: lr_factor(
-        step, cfg.lr_warmup_steps or int(cfg.lr_warmup_steps_ratio * cfg.total_training_steps),
-        cfg.total_training_steps, cfg.lr_scheduler_type, cfg.min_lr_ratio))
+        step, cfg.lr_warmup_steps or int(cfg.lr_warmup_steps_ratio * steps), steps, cfg.lr_scheduler_type,
+        cfg.min_lr_ratio))
     return optim, sched

@@ -16,13 +16,17 @@ def make_engine(cfg: Config, actor, tokenizer, contexts, world: int, rank: int, 
     if (kind or cfg.rollout_engine) == "vllm":
         from rollout.vllm import VLLMEngine
         try:
-            return VLLMEngine(cfg.model_path, dtype=cfg.dtype, seed=cfg.seed + rank,
+            group = rank // cfg.rollout_tensor_model_parallel_size   # a tensor-parallel group is one engine, one seed
+            return VLLMEngine(cfg.model_path, dtype=cfg.dtype, seed=cfg.seed + group,
                               max_model_len=cfg.max_prompt_length + cfg.max_response_length,
                               kv_cache_gb=cfg.rollout_kv_cache_gb,
                               gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
                               enable_sleep_mode=cfg.rollout_sleep, distributed=world > 1,
                               enforce_eager=cfg.rollout_enforce_eager, sleep_level=cfg.rollout_sleep_level,
-                              eos_token_id=tokenizer.eos_token_id)
+                              eos_token_id=tokenizer.eos_token_id,
+                              max_num_batched_tokens=cfg.rollout_max_num_batched_tokens,
+                              max_num_seqs=cfg.rollout_max_num_seqs,
+                              tensor_parallel_size=cfg.rollout_tensor_model_parallel_size)
         except RuntimeError as e:
             if not cfg.rollout_fallback_hf:
                 raise UserError(f"{e}\n(or set rollout_fallback_hf=true to generate with the hf engine)") from None

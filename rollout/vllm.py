@@ -29,7 +29,8 @@ class VLLMEngine:
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 2048,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float = 1.0, enable_sleep_mode: bool = True,
                  distributed: bool = False, enforce_eager: bool = False, sleep_level: int = 1,
-                 eos_token_id: int | list[int] | None = None):
+                 eos_token_id: int | list[int] | None = None, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None, tensor_parallel_size: int = 1):
         """seed: give each rank its own (e.g. run seed + rank); every sampled sequence gets its own
         vLLM seed derived from it and a counter, so a run's rollouts are reproducible.
         kv_cache_gb bounds the KV cache on CPU; gpu_memory_utilization and enable_sleep_mode
@@ -38,7 +39,12 @@ class VLLMEngine:
         weights in host memory while asleep; 2 drops them, for callers that send every weight
         after waking anyway (vLLM has had silent-corruption bugs with level 2: the trainer's
         rollout/logprob_diff check catches a sampler that no longer matches).
-        eos_token_id: where responses stop (None: the tokenizer's EOS)."""
+        eos_token_id: where responses stop (None: the tokenizer's EOS). max_num_batched_tokens,
+        max_num_seqs: vLLM's scheduler limits (None: vLLM's defaults).
+        tensor_parallel_size > 1 (GPU, distributed; untested here, there is no GPU): each group of
+        that many consecutive ranks runs one engine sharded across them; generate() gathers the
+        group's prompts, every member runs the same requests with the same seeds (give the group's
+        ranks one seed), and each keeps its own rows."""
         # In-process engine: load_weights reaches the model runner directly, and a weight
         # iterator can be consumed lazily (nothing is pickled to another process).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -56,6 +62,15 @@ class VLLMEngine:
             engine_args["enable_sleep_mode"] = enable_sleep_mode
         if distributed:
             engine_args["distributed_executor_backend"] = "external_launcher"
+        for key, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
+            if value is not None:
+                engine_args[key] = value
+        self._tp_group = None
+        if tensor_parallel_size > 1:
+            if self._on_cpu or not distributed:
+                raise ValueError("tensor_parallel_size > 1 needs GPUs and one process per GPU")
+            engine_args["tensor_parallel_size"] = tensor_parallel_size
+            self._tp_group = _tensor_parallel_group(tensor_parallel_size)
         # On CPU sleep is a vLLM no-op that still pauses and resumes the scheduler: call it anyway.
         self._can_sleep = self._on_cpu or enable_sleep_mode
         if sleep_level not in (1, 2):
@@ -107,6 +122,8 @@ class VLLMEngine:
         (greedy: T = 1). The actor recomputes the same: with top_k/top_p by replaying the cut
         (head_logprobs.sampling_support follows vLLM's rules)."""
         self._check_ready("generate", self._sleeping)
+        if self._tp_group is not None:
+            return self._generate_in_group(prompts, params)
         expanded = [p for p in prompts for _ in range(params.n)]   # prompt-major, one request each
         greedy = params.temperature == 0
         first_seed, self._next_seed = self._next_seed, self._next_seed + len(expanded)
@@ -126,6 +143,23 @@ class VLLMEngine:
             responses.append(tokens)
             logprobs.append([step[t].logprob for step, t in zip(sample.logprobs, tokens)])
         return RolloutOutput(responses=responses, logprobs=logprobs)
+
+    def _generate_in_group(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        """Tensor parallel: the engine spans the group, so its members must submit the same requests;
+        each gets the whole group's rollouts and keeps the rows of its own prompts."""
+        import torch.distributed as dist
+        group, members = self._tp_group
+        shares: list = [None] * len(members)
+        dist.all_gather_object(shares, prompts, group=group)
+        mine = members.index(dist.get_rank())
+        self._tp_group = None        # generate() below runs the plain path once, on every member alike
+        try:
+            out = self.generate([p for share in shares for p in share], params)
+        finally:
+            self._tp_group = (group, members)
+        start = sum(len(s) for s in shares[:mine]) * params.n
+        rows = slice(start, start + len(prompts) * params.n)
+        return RolloutOutput(responses=out.responses[rows], logprobs=out.logprobs[rows])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (Hugging Face name, tensor) pairs into the engine's model, in place.
@@ -204,6 +238,22 @@ class VLLMEngine:
             missing = [f"{layer} (has {', '.join(sorted(parts))})" for layer, parts in self._pending.items()]
             raise RuntimeError("load_weights() left fused layers incomplete, their other parts were never "
                                f"sent: {'; '.join(missing)}")
+
+
+def _tensor_parallel_group(size: int):
+    """(process group, its ranks) of this rank's tensor-parallel group: consecutive ranks, as vLLM's
+    external_launcher groups them. Every rank creates every group (new_group is collective)."""
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the {world} processes")
+    mine = None
+    for first in range(0, world, size):
+        members = list(range(first, first + size))
+        group = dist.new_group(members)
+        if rank in members:
+            mine = (group, members)
+    return mine
 
 
 # ----------------------------------------------------------------------------------------------

@@ -171,6 +171,13 @@ MAPPING = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "log_prob_micro_batch_size_per_device",
     R + "enforce_eager": "rollout_enforce_eager",
     R + "free_cache_engine": "rollout_sleep",
+    R + "max_num_batched_tokens": "rollout_max_num_batched_tokens",
+    R + "max_num_seqs": "rollout_max_num_seqs",
+    R + "tensor_model_parallel_size": "rollout_tensor_model_parallel_size",
+    R + "log_prob_max_token_len_per_gpu": "log_prob_max_token_len_per_device",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "log_prob_max_token_len_per_device",
+    "actor_rollout_ref.model.enable_activation_offload": "activation_offload",
+    "critic.model.enable_activation_offload": "activation_offload",
     # critic (shared keys must agree with the actor's: the toolkit has one value for both)
     "critic.optim.lr": "critic_lr",
     "critic.optim.weight_decay": "weight_decay",
@@ -199,8 +206,12 @@ MAPPING = {
     "algorithm.filter_groups.enable": "filter_groups_enable",
     "algorithm.filter_groups.metric": ("filter_groups_metric", _filter_metric),
     "algorithm.filter_groups.max_num_gen_batches": ("max_num_gen_batches", _gen_batches),
-    # trainer (trainer.total_epochs: see _epochs_to_steps)
+    "algorithm.use_pf_ppo": "use_pf_ppo",
+    "algorithm.pf_ppo.reweight_method": "pf_ppo_reweight_method",
+    "algorithm.pf_ppo.weight_pow": "pf_ppo_weight_pow",
+    # trainer (total_epochs: the toolkit counts the steps at setup, as verl does)
     "trainer.total_training_steps": "total_training_steps",
+    "trainer.total_epochs": "total_epochs",
     "trainer.save_freq": "save_freq",
     "trainer.resume_mode": ("resume", _resume_mode),
     "trainer.max_actor_ckpt_to_keep": "save_total_limit",
@@ -237,12 +248,13 @@ ALWAYS = {
     "actor_rollout_ref.hybrid_engine": "generation and training always share the GPUs (vLLM sleeps while the "
                                        "models train)",
     "data.return_raw_chat": "prompts given as chat messages are always rendered with the tokenizer's chat template",
+    "trainer.use_legacy_worker_impl": "it picks between verl's own worker implementations, which compute the same "
+                                      "algorithm; the toolkit has one",
 }
 
 # verl values that are this toolkit's behaviour (a pattern: every key it matches); another value is not carried.
 FIXED_PATTERNS = {
     "*fsdp_config.*offload": (False, "nothing is offloaded unless the accelerate config says so"),
-    R + "tensor_model_parallel_size": (1, "vLLM runs colocated, one engine per rank"),
 }
 
 # verl values that are this toolkit's fixed behaviour: nothing to set when the value matches.
@@ -251,7 +263,6 @@ FIXED = {
     R + "val_kwargs.n": 1,
     A + "policy_loss.loss_mode": "vanilla",
     "data.shuffle": True,
-    "algorithm.use_pf_ppo": False,
 }
 
 # Why common verl keys have no counterpart (fnmatch patterns; the first match wins).
@@ -259,12 +270,9 @@ HINTS = {
     "*._target_": "Hydra bookkeeping, not a setting",
     "defaults": "Hydra bookkeeping: the files it names are not read; pass them with --verl_config",
     "hydra.*": "Hydra bookkeeping, not a setting",
-    "trainer.n_gpus_per_node": "set by `accelerate launch --num_processes`",
-    "trainer.nnodes": "set by `accelerate launch --num_machines`",
     "trainer.logger": "the toolkit always writes metrics.jsonl and an MLflow run",
     "*fsdp_config.*": "sharding and offload come from the accelerate config (accelerate_configs/, ds_configs/)",
     "*ulysses_sequence_parallel_size": "no sequence parallelism",
-    R + "tensor_model_parallel_size": "vLLM runs colocated, one engine per rank, without tensor parallelism",
     "*.lr_warmup_steps_ratio": "set lr_warmup_steps = ratio x total_training_steps",
     "*ppo_micro_batch_size": "verl's global micro-batch: give trainer.n_gpus_per_node (and nnodes) to divide it",
     "*log_prob_micro_batch_size": "verl's global micro-batch: give trainer.n_gpus_per_node (and nnodes) to divide it",
@@ -280,18 +288,18 @@ HINTS = {
     "*.strategy": "the toolkit trains with DeepSpeed ZeRO through Accelerate (accelerate_configs/), not FSDP/Megatron",
     "*megatron.*": "no Megatron parallelism",
     "data.val_batch_size": "each rank validates its whole share of val_files at once",
-    "*log_prob_max_token_len_per_gpu": "the no-grad passes use the actor's token budget (ppo_max_token_len_per_device)",
     "*forward_max_token_len_per_gpu": "the no-grad passes use the actor's and critic's token budgets",
     "*log_prob_use_dynamic_bsz": "the no-grad passes batch like the update (use_dynamic_bsz)",
     "reward_model.micro_batch_size*": "the reward model scores in ppo_micro_batch_size_per_device micro-batches",
     "reward_model.use_dynamic_bsz": "the reward model scores in ppo_micro_batch_size_per_device micro-batches",
-    R + "max_num_batched_tokens": "vLLM's scheduler defaults are used",
-    R + "max_num_seqs": "vLLM's scheduler defaults are used",
     R + "enable_chunked_prefill": "vLLM's scheduler defaults are used",
     R + "load_format": "vLLM gets the actor's weights in process after every update",
     R + "layered_summon": "LoRA weights are merged and sent layer by layer already",
     R + "dtype": "the rollout follows dtype",
-    "trainer.use_legacy_worker_impl": "verl's worker internals",
+    "reward_model.rollout.*": "a reward model served by its own vLLM engine (e.g. a generative judge) is not built "
+                              "yet (README, Coming from verl): use reward_model_path (a scoring head) or reward_fn",
+    "reward_model.use_reward_loop": "a reward model served by its own vLLM engine (e.g. a generative judge) is not "
+                                    "built yet (README, Coming from verl): use reward_model_path or reward_fn",
     "*.checkpoint.*": "checkpoints always hold weights, optimizer states and every RNG (see save_freq)",
 }
 
@@ -402,6 +410,7 @@ class Translation:
     carried: dict       # toolkit key -> (value, the verl key it came from, how, if not as it was)
     used: list          # (verl key, value, note): consumed with nothing (more) to set
     not_carried: list   # (verl key, value, reason)
+    launch: str = ""    # the accelerate launch line that trainer.n_gpus_per_node / trainer.nnodes make
 
 
 def translate(flat: dict) -> Translation:
@@ -415,8 +424,14 @@ def translate(flat: dict) -> Translation:
     rank = {key: i for i, key in enumerate(MAPPING)}
     for key in sorted(flat, key=lambda k: rank.get(k, len(rank))):
         value = flat[key]
-        if key == "trainer.total_epochs":
-            continue                                      # after the loop: needs the batch size
+        if key in LAUNCH:
+            continue                                      # after the loop: both together make the launch line
+        if key == "trainer.total_training_steps" and value is None and "trainer.total_epochs" in flat:
+            out.used.append((key, value, "null: the steps are counted from trainer.total_epochs"))
+            continue
+        if key == "trainer.total_epochs" and flat.get("trainer.total_training_steps") is not None:
+            out.used.append((key, value, "moot: verl runs trainer.total_training_steps when it is set"))
+            continue
         if key in gates:
             enables = [k for k, g in GATES.items() if g == key and k in flat]
             out.used.append((key, value, f"switches on {', '.join(enables)}" if value is True and enables
@@ -480,7 +495,7 @@ def translate(flat: dict) -> Translation:
                 out.used.append((key, flat[key], f"same {target} as {other}"))
             continue
         out.carried[target] = (value, key, "")
-    _epochs_to_steps(flat, out)
+    _launch(flat, out)
     position = {key: i for i, key in enumerate(flat)}        # report in the order the user wrote them
     out.used.sort(key=lambda item: position[item[0]])
     out.not_carried.sort(key=lambda item: position[item[0]])
@@ -511,44 +526,23 @@ def _carry(key: str, value, flat: dict, hints: dict):
         raise NotCarried(str(e)) from None
 
 
-def _epochs_to_steps(flat: dict, out: Translation) -> None:
-    """trainer.total_epochs -> total_training_steps, counted as verl does: epochs x (rows // batch)."""
-    key = "trainer.total_epochs"
-    if key not in flat:
-        return
-    epochs = flat[key]
-    if "total_training_steps" in out.carried:
-        out.not_carried.append((key, epochs, "trainer.total_training_steps is set, and verl uses it then too"))
-        return
-    if "train_batch_size" not in out.carried or "train_files" not in out.carried:
-        out.not_carried.append((key, epochs, "needs data.train_batch_size and data.train_files to count steps; "
-                                             "set total_training_steps yourself"))
-        return
-    batch, files = out.carried["train_batch_size"][0], out.carried["train_files"][0]
-    try:
-        rows = sum(_count_rows(p) for p in config._split_files(files))
-    except (OSError, ValueError) as e:
-        out.not_carried.append((key, epochs, f"cannot count the training rows ({e}); set total_training_steps "
-                                             f"= total_epochs x (rows // train_batch_size)"))
-        return
-    out.carried["total_training_steps"] = (int(epochs) * (rows // batch), key,
-                                           f"{epochs} epochs x ({rows} rows // {batch})")
-    if "trainer.total_training_steps" in flat:            # a null one: verl counts from the epochs too
-        out.used.append(("trainer.total_training_steps", flat["trainer.total_training_steps"],
-                         "null: counted from trainer.total_epochs"))
-        out.not_carried[:] = [n for n in out.not_carried if n[0] != "trainer.total_training_steps"]
+LAUNCH = ("trainer.n_gpus_per_node", "trainer.nnodes")
 
 
-def _count_rows(path: str) -> int:
-    if not Path(path).is_file():
-        raise OSError(f"no file {path}")
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-        return pq.ParquetFile(path).metadata.num_rows
-    if path.endswith((".jsonl", ".json")):
-        with open(path) as f:
-            return sum(1 for line in f if line.strip())
-    raise ValueError(f"{path}: not a .parquet or .jsonl file")
+def _launch(flat: dict, out: Translation) -> None:
+    """trainer.n_gpus_per_node and trainer.nnodes are the launch's, not the config's: carried into the
+    `accelerate launch` line written at the top of the output (one process per GPU)."""
+    given = [key for key in LAUNCH if key in flat]
+    gpus, nodes = flat.get(LAUNCH[0], 1), flat.get(LAUNCH[1], 1)
+    if not given:
+        return
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (gpus, nodes)):
+        out.not_carried += [(key, flat[key], "not a positive whole number of GPUs or nodes") for key in given]
+        return
+    out.launch = ("python train_ppo.py --config THIS_FILE" if gpus * nodes == 1 else
+                  f"accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes {gpus * nodes}"
+                  + (f" --num_machines {nodes}" if nodes > 1 else "") + " train_ppo.py --config THIS_FILE")
+    out.used += [(key, flat[key], f"in the launch line: {out.launch}") for key in given]
 
 
 # ---- output -------------------------------------------------------------------------------------
@@ -560,6 +554,8 @@ def to_yaml(t: Translation, sources: str) -> str:
     order = [f.name for f in dataclasses.fields(config.Config)]
     lines = [f"# Translated from verl ({sources}) by scripts/verl_to_config.py.",
              "# Keys not written here take this toolkit's defaults (python train_ppo.py --help), not verl's."]
+    if t.launch:
+        lines.append(f"# Launch: {t.launch}")
     for name in sorted(t.carried, key=order.index):
         value, source, how = t.carried[name]
         lines.append(f"{name}: {_show(value)}  # {source}" + (f": {how}" if how else ""))
@@ -577,6 +573,8 @@ def report(t: Translation) -> str:
     if t.used:
         lines.append(f"nothing more to set ({len(t.used)}):")
         lines += [f"  {key} = {_show(value)}  ({note})" for key, value, note in t.used]
+    if t.launch:
+        lines.append(f"launch with: {t.launch}")
     lines.append(f"NOT carried ({len(t.not_carried)}):")
     lines += [f"  {key} = {_show(value)}  ({why})" for key, value, why in t.not_carried]
     return "\n".join(lines)

@@ -920,3 +920,35 @@ def test_rollout_is_weights_scale_the_policy_loss_per_token():
     (g_w,) = torch.autograd.grad(weighted, logprob)
     (g_b,) = torch.autograd.grad(base, logprob)
     close(g_w, (g_b * w).tolist())
+
+
+# ---- PF-PPO (verl's compute_pf_ppo_reweight_data) ----------------------------------------------
+def test_pf_ppo_weights_by_hand():
+    from core_algos import pf_ppo_weights
+    s = torch.tensor([1.0, -2.0, 0.5, 0.0])
+    torch.testing.assert_close(pf_ppo_weights(s, "pow", 2.0), torch.tensor([1.0, 4.0, 0.25, 0.0]) + 1e-8)
+    torch.testing.assert_close(pf_ppo_weights(s, "pow", 1.0), torch.tensor([1.0, 2.0, 0.5, 0.0]) + 1e-8)
+    # max_min: the best (1.0) and the worst (-2.0) only
+    torch.testing.assert_close(pf_ppo_weights(s, "max_min", 2.0), torch.tensor([1.0, 1.0, 0.0, 0.0]) + 1e-8)
+    torch.testing.assert_close(pf_ppo_weights(s, "max_random", 2.0), torch.tensor([0.4, 0.1, 0.1, 0.1]) + 1e-8)
+    # ties at the top all count as the best
+    torch.testing.assert_close(pf_ppo_weights(torch.tensor([1.0, 1.0, 0.0]), "max_random", 2.0),
+                               torch.tensor([0.4, 0.4, 0.1]) + 1e-8)
+    with pytest.raises(ValueError, match="max_min"):
+        pf_ppo_weights(s, "softmax", 2.0)
+
+
+def test_pf_ppo_resample_draws_in_proportion_to_the_weights():
+    from core_algos import pf_ppo_resample
+    g = torch.Generator().manual_seed(0)
+    s = torch.tensor([1.0, -2.0, 0.5, 0.0])
+    draws = torch.cat([pf_ppo_resample(s, "pow", 2.0, generator=g) for _ in range(5000)])   # 20,000 rows
+    assert draws.shape == (20000,)
+    share = torch.bincount(draws, minlength=4).double() / len(draws)
+    torch.testing.assert_close(share, torch.tensor([1.0, 4.0, 0.25, 0.0], dtype=torch.float64) / 5.25, atol=0.01, rtol=0)
+    assert share[3] == 0                                     # a zero score keeps only the 1e-8 floor
+    only_extremes = pf_ppo_resample(s, "max_min", 2.0, generator=g)
+    assert set(only_extremes.tolist()) <= {0, 1} and only_extremes.shape == (4,)
+    # all-equal scores under max_min: every row is both best and worst, all drawable
+    assert len(set(torch.cat([pf_ppo_resample(torch.zeros(3), "max_min", 2.0, generator=g)
+                              for _ in range(50)]).tolist())) == 3
