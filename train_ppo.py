@@ -762,7 +762,7 @@ def main(cfg: Config) -> None:
                 step = bar.n = run.first_step
                 continue
 
-            # 8 checkpoint (on its frequency, or when asked to stop)
+            # 8 checkpoint (on its frequency, when asked to stop, or at an early stop)
             stopping, early = stop.agreed(accelerator), guards.early_stop(step, metrics)
             on_freq = cfg.save_freq > 0 and (step % cfg.save_freq == 0 or step == cfg.total_training_steps)
             if stopping or on_freq or early:
