@@ -110,6 +110,21 @@ class Config:
                                                             "(e.g. 0.01); None = unchanged")
     entropy_recover: float = opt(0.0, "entropy_floor: undo the reaction once guard/entropy rises above this "
                                       "(> entropy_floor); 0 = keep it for the rest of the run")
+    nan_clip_reaction: bool = opt(False, "after an actor step skipped for a non-finite gradient norm, clip the actor's "
+                                         "gradients to nan_clip_max_grad_norm until nan_clip_clean_steps steps in a "
+                                         "row had none")
+    nan_clip_max_grad_norm: float = opt(0.5, "nan_clip_reaction: the actor's max_grad_norm while reacting")
+    nan_clip_clean_steps: int = opt(10, "nan_clip_reaction: steps in a row without a skipped actor step that end the "
+                                        "reaction")
+    max_oom_retries: int = opt(3, "an out-of-memory error in the forward passes or an update is redone on every rank "
+                                  "with micro-batches (or token budgets) 20% smaller, up to this many times in a "
+                                  "row, then the run stops naming the keys to lower; 0 = off (the error ends the run)")
+    early_stop_patience: int = opt(0, "stop (final checkpoint and model) when the validation score (val/accuracy, "
+                                      "else val/score_mean) has not improved for this many validations; 0 = off")
+    early_stop_loss_rtol: float = opt(0.0, "stop when the losses (actor/pg_loss, critic/vf_loss) change by less than "
+                                           "this fraction step to step for early_stop_loss_steps steps in a row "
+                                           "(e.g. 1e-4); 0 = off")
+    early_stop_loss_steps: int = opt(10, "early_stop_loss_rtol: the steps in a row")
     skip_nonfinite_rewards: bool = opt(False, "a NaN/inf score drops that sample from the update instead of stopping the run")
     # tracking
     mlflow_tracking_uri: str = opt("", "MLflow tracking URI; '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working dir")
@@ -466,6 +481,10 @@ def validate_config(cfg: Config) -> None:
              "passes that give the KL, so use seq_reward, score or acc (or use_kl_in_reward=false)")
         need(not (cfg.tools or cfg.environment), "filter_groups_enable with tools/environment: dynamic sampling does "
              "not yet select multi-turn trajectories; turn one of them off")
+    for key in ("max_oom_retries", "early_stop_patience", "early_stop_loss_rtol"):
+        need(getattr(cfg, key) >= 0, f"{key} must be >= 0, got {getattr(cfg, key)}")
+    for key in ("nan_clip_max_grad_norm", "nan_clip_clean_steps", "early_stop_loss_steps"):
+        need(getattr(cfg, key) > 0, f"{key} must be > 0, got {getattr(cfg, key)}")
     need(cfg.sft_coef >= 0 and cfg.sft_batch_size >= 0,
          f"sft_coef and sft_batch_size must be >= 0, got {cfg.sft_coef} and {cfg.sft_batch_size}")
     for key in ("train_files", "val_files", "sft_files"):

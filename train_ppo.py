@@ -51,6 +51,7 @@ from plumbing.checkpoints import (StopSignal, check_resumable, find_checkpoint, 
 from plumbing.dry_run import dry_run
 from plumbing.guards import Guards, rescale_lr, resumed_lr_scale
 from plumbing.host_memory import peak_memory_gb
+from plumbing.oom import OomReaction, base_sizes
 from plumbing.tracking import Tracker, run_tags
 from prompts.sets import PromptSet, load_prompts, load_sft
 from prompts.streams import PromptStream, SFTStream, sft_batch_size
@@ -86,6 +87,7 @@ def optimizer_step(model, optim, max_norm: float, ds: bool) -> tuple[float, bool
         # the engine reduces the accumulated gradients, clips them to its gradient_clipping
         # (= max_norm), steps and zeroes them; ZeRO skips a step whose gradients overflow
         skipped_before = model.skipped_steps
+        distributed.set_gradient_clipping(model, max_norm)   # a guard may have moved it
         model.step()
         norm = model.get_global_grad_norm()
         norm = float("nan") if norm is None else float(norm)
@@ -97,6 +99,12 @@ def optimizer_step(model, optim, max_norm: float, ds: bool) -> tuple[float, bool
     optim.step()
     optim.zero_grad(set_to_none=True)
     return norm, False
+
+
+def drop_gradients(model, optim, ds: bool) -> None:
+    """The gradients a failed try accumulated, dropped before it is redone (ZeRO-3's zero_grad
+    also restarts its accumulation, so the next backward overwrites its partitioned buffers)."""
+    (model.optimizer if ds else optim).zero_grad(set_to_none=True)
 
 
 def sft_loss(accelerator, actor, sft: SFTStream, autocast) -> torch.Tensor:
@@ -111,31 +119,34 @@ def sft_loss(accelerator, actor, sft: SFTStream, autocast) -> torch.Tensor:
 
 
 def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, ds: bool, sft=None,
-                 temperature: float = 1.0, entropy_coeff: float = 0.0) -> dict:
+                 temperature: float = 1.0, entropy_coeff: float = 0.0, *, oom, max_grad_norm: float) -> dict:
     """guard/entropy (with entropy_floor): the entropy at the configured temperature, which a
     reacted sampling temperature does not move; measured over the first epoch, with one more
-    no-grad pass per micro-batch only while the sampling temperature differs from it."""
+    no-grad pass per micro-batch only while the sampling temperature differs from it. An OOM
+    redoes the mini-batch with smaller micro-batches, its partial gradients dropped (oom.py)."""
     stats = Stats()
     sched = schedule(cfg, "actor")
     mini = sched.mini_batch * cfg.rollout_n // accelerator.num_processes
     agree = max_over_ranks(accelerator)
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
-    for epoch in range(sched.epochs):
-        for mb in mini_batches(batch, mini):
-            norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
-            loss_total = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0}
-            for _, micro in micro_batches(mb, sched.micro_batch, sched.max_tokens, agree):
-                m = micro["response_mask"]
+
+    def mini_batch(mb: dict, epoch: int) -> Stats:
+        done = Stats()   # this try's figures: a try that runs out of memory leaves none
+        norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
+        loss_total = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0}
+        for _, micro in micro_batches(mb, *oom.size("actor"), agree):
+            m = micro["response_mask"]
+            with oom.agreed("actor"):   # forward and loss: every rank agrees before any backward
                 if cfg.entropy_floor and epoch == 0 and temperature != cfg.temperature:
                     with autocast(), torch.no_grad():   # every rank reacts alike: the same passes everywhere
                         _, at_config = response_logprobs(actor, micro, cfg.temperature, with_entropy=True)
-                    stats.add({"guard/entropy": masked_mean(at_config, m).item()})
+                    done.add({"guard/entropy": masked_mean(at_config, m).item()})
                 with autocast():
                     logprob, entropy = response_logprobs(actor, micro, temperature, with_entropy=True,
                                                          entropy_grad=entropy_coeff != 0)
                 if cfg.entropy_floor and epoch == 0 and temperature == cfg.temperature:
-                    stats.add({"guard/entropy": masked_mean(entropy.detach(), m).item()})
+                    done.add({"guard/entropy": masked_mean(entropy.detach(), m).item()})
                 pg, pg_stats = policy_loss(micro["old_logprob"], logprob, micro["advantages"], m, low, high,
                                            cfg.clip_ratio_c, cfg.loss_agg_mode, micro.get("is_weights"), **norms)
                 loss = pg
@@ -146,41 +157,56 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                                        cfg.loss_agg_mode, **norms)
                     loss = loss + cfg.kl_loss_coef * kl_loss
                     loss_total["actor/kl_loss"] += kl_loss.item()
+            with oom.agreed("actor"):
                 backward(actor, loss, ds)
-                loss_total["actor/pg_loss"] += pg.item()
-                stats.add({f"actor/{k}": v.item() for k, v in pg_stats.items()})
-                stats.add({"actor/entropy": masked_mean(entropy.detach(), m).item()})
-            if sft is not None:   # PPO-ptx: one pass of supervised data in every mini-batch, on every rank
+            loss_total["actor/pg_loss"] += pg.item()
+            done.add({f"actor/{k}": v.item() for k, v in pg_stats.items()})
+            done.add({"actor/entropy": masked_mean(entropy.detach(), m).item()})
+        if sft is not None:   # PPO-ptx: one pass of supervised data in every mini-batch, on every rank
+            with oom.agreed("actor"):
                 nll = sft_loss(accelerator, actor, sft, autocast)
                 backward(actor, cfg.sft_coef * nll, ds)
-                stats.add({"actor/sft_loss": nll.item()})
-            grad_norm, skipped = optimizer_step(actor, optim, cfg.max_grad_norm, ds)
-            stats.add(loss_total if cfg.use_kl_loss else {"actor/pg_loss": loss_total["actor/pg_loss"]})
-            stats.add({"actor/grad_norm": grad_norm if not skipped else float("nan")})
-            stats.count("actor/skipped_steps", skipped)
+            done.add({"actor/sft_loss": nll.item()})
+        grad_norm, skipped = optimizer_step(actor, optim, max_grad_norm, ds)
+        done.add(loss_total if cfg.use_kl_loss else {"actor/pg_loss": loss_total["actor/pg_loss"]})
+        done.add({"actor/grad_norm": grad_norm if not skipped else float("nan")})
+        done.count("actor/skipped_steps", skipped)
+        return done
+
+    for epoch in range(sched.epochs):
+        for mb in mini_batches(batch, mini):
+            stats.merge(oom.retry("actor", lambda: mini_batch(mb, epoch), lambda: drop_gradients(actor, optim, ds)))
     return stats.means()
 
 
-def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast, ds: bool) -> dict:
+def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast, ds: bool, *, oom) -> dict:
     stats = Stats()
     sched = schedule(cfg, "critic")
     mini = sched.mini_batch * cfg.rollout_n // accelerator.num_processes
     agree = max_over_ranks(accelerator)
-    for _ in range(sched.epochs):
-        for mb in mini_batches(batch, mini):
-            norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
-            vf_total = 0.0
-            for _, micro in micro_batches(mb, sched.micro_batch, sched.max_tokens, agree):
+
+    def mini_batch(mb: dict) -> Stats:
+        done = Stats()   # this try's figures: a try that runs out of memory leaves none
+        norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
+        vf_total = 0.0
+        for _, micro in micro_batches(mb, *oom.size("critic"), agree):
+            with oom.agreed("critic"):   # forward and loss: every rank agrees before any backward
                 with autocast():
                     vpreds = critic_values(critic, micro)
                 vf, clipfrac = value_loss(vpreds, micro["returns"], micro["values"], micro["response_mask"],
                                           cfg.cliprange_value, cfg.loss_agg_mode, **norms)
+            with oom.agreed("critic"):
                 backward(critic, vf, ds)
-                vf_total += vf.item()
-                stats.add({"critic/vf_clipfrac": clipfrac.item(),
-                           "critic/vpred_mean": masked_mean(vpreds.detach(), micro["response_mask"]).item()})
-            grad_norm, skipped = optimizer_step(critic, optim, cfg.critic_max_grad_norm, ds)
-            stats.add({"critic/vf_loss": vf_total, "critic/grad_norm": grad_norm if not skipped else float("nan")})
+            vf_total += vf.item()
+            done.add({"critic/vf_clipfrac": clipfrac.item(),
+                      "critic/vpred_mean": masked_mean(vpreds.detach(), micro["response_mask"]).item()})
+        grad_norm, skipped = optimizer_step(critic, optim, cfg.critic_max_grad_norm, ds)
+        done.add({"critic/vf_loss": vf_total, "critic/grad_norm": grad_norm if not skipped else float("nan")})
+        return done
+
+    for _ in range(sched.epochs):
+        for mb in mini_batches(batch, mini):
+            stats.merge(oom.retry("critic", lambda: mini_batch(mb), lambda: drop_gradients(critic, optim, ds)))
     return stats.means()
 
 
@@ -196,6 +222,12 @@ class Stats:
         # rank must reduce the same keys, whatever its data
         for k, v in metrics.items():
             self.values.setdefault(k, []).append(float(v))
+
+    def merge(self, other: "Stats"):
+        for k, v in other.values.items():
+            self.values.setdefault(k, []).extend(v)
+        for k, n in other.counts.items():
+            self.counts[k] = self.counts.get(k, 0) + n
 
     def count(self, key: str, hit: bool):
         self.counts[key] = self.counts.get(key, 0) + int(hit)
@@ -325,6 +357,7 @@ class Run:
     shapes: dict = field(default_factory=dict)   # role -> flops.Shape, for perf/mfu
     peak_flops: float = 0.0                      # the device's peak FLOP/s; 0 = unknown, no perf/mfu
     tools: typing.Any = None                     # multi-turn rollouts (tools / environment), else None
+    oom: typing.Any = None                       # the OOM reaction and the micro-batch sizes in use (oom.py)
 
 
 def hf_engine(run: Run):
@@ -387,6 +420,7 @@ def setup(cfg: Config) -> Run:
               train, val, PromptStream(len(train.ids), cfg.train_batch_size, cfg.seed), sft, Guards(cfg), None,
               autocast, total_steps=steps)
     run.tools = tools
+    run.oom = OomReaction(accelerator, base_sizes(cfg), cfg.max_oom_retries)
     if resumed:
         restore(run, ckpt, resumed)
         rescale_lr(*run.trained["actor"][1:], resumed_lr_scale(cfg.actor_lr, resumed))   # e.g. a guard's advice
@@ -444,6 +478,8 @@ def restore(run: Run, path: Path, state: dict) -> None:
     run.stream.epoch, run.stream.pos = state["data"]["epoch"], state["data"]["pos"]
     run.guards.entropy_reaction = state.get("entropy_reaction", False)
     run.guards.rollbacks = max(run.guards.rollbacks, state.get("rollbacks", 0))
+    run.guards.load_state_dict(state.get("guards"))
+    run.oom.load_state_dict(state.get("oom"))
     if run.sft is not None and state.get("sft_data"):
         run.sft.rows.epoch, run.sft.rows.pos = state["sft_data"]["epoch"], state["sft_data"]["pos"]
     run.first_step = state["step"] + 1
@@ -521,30 +557,9 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
         token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), ~nonfinite, bonus),
                                     mask, cfg.reward_placement, cfg.reward_decay)
 
-    # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic)
+    # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic); an OOM redoes them
     with timed(times, "forward"), run.autocast():
-        logprobs_of = lambda model: lambda mb: response_logprobs(model, mb, temperature)[0]   # noqa: E731
-        critic_sched = schedule(cfg, "critic")
-        passes = dict(size=micro, max_tokens=schedule(cfg, "log_prob").max_tokens, agree=max_over_ranks(accelerator))
-        truncation = (cfg.top_k, cfg.top_p) if cfg.top_k > 0 or cfg.top_p < 1 else None
-        if truncation is None:
-            batch["old_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, **passes)  # [b, R]
-            actor_sampling = batch["old_logprob"]
-        else:   # the samplers report log-probs of the cut distribution: the actor's too, from the same pass
-            def full_and_cut(mb):
-                logprob, _, cut = response_logprobs(run.actor, mb, temperature, truncation=truncation)
-                return torch.stack([logprob, cut], dim=-1)                                    # [b, r, 2]
-            both = forward_in_micro_batches(full_and_cut, batch, **passes)                    # [b, R, 2]
-            batch["old_logprob"], actor_sampling = both[..., 0].contiguous(), both[..., 1].contiguous()
-        if run.ref is not None:
-            batch["ref_logprob"] = forward_in_micro_batches(logprobs_of(run.ref), batch, **passes)
-        elif cfg.lora_rank and (cfg.use_kl_in_reward or cfg.use_kl_loss):
-            with accelerator.unwrap_model(run.actor).disable_adapter():   # the base model is the reference
-                batch["ref_logprob"] = forward_in_micro_batches(logprobs_of(run.actor), batch, **passes)
-        if run.critic is not None:
-            batch["values"] = forward_in_micro_batches(lambda mb: critic_values(run.critic, mb), batch,
-                                                       size=critic_sched.micro_batch, max_tokens=critic_sched.max_tokens,
-                                                       agree=passes["agree"])
+        actor_sampling = run.oom.retry("log_prob", lambda: forward_passes(run, batch, temperature))
         # both engines report them (an engine that did not would count as the actor itself)
         sampler = actor_sampling if sampled.logprobs is None else sampler_logprobs(sampled.logprobs, mask)
         is_stats = {}
@@ -553,6 +568,44 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
                                                                cfg.rollout_is_threshold)
     return Rollouts(batch, sampled.responses, scores, nonfinite, truncated, token_scores, sampler, actor_sampling,
                     is_stats, tools.metrics() if tools else {})
+
+
+def forward_passes(run: Run, batch: dict, temperature: float) -> torch.Tensor:
+    """Phase 3 on this rank's rollouts: old_logprob, ref_logprob and values into batch -> the actor's
+    log-probs under the sampler's distribution. Each micro-batch's pass is agreed on by every rank
+    (an OOM on one raises PhaseOOM on all, after the pass: oom.py)."""
+    cfg, accelerator = run.cfg, run.accelerator
+
+    def agreed(fn):
+        def guarded(mb):
+            with run.oom.agreed("log_prob"):
+                return fn(mb)
+        return guarded
+
+    logprobs_of = lambda model: lambda mb: response_logprobs(model, mb, temperature)[0]   # noqa: E731
+    critic_sched = schedule(cfg, "critic")
+    micro, max_tokens = run.oom.size("log_prob")
+    passes = dict(size=micro, max_tokens=max_tokens, agree=max_over_ranks(accelerator))
+    truncation = (cfg.top_k, cfg.top_p) if cfg.top_k > 0 or cfg.top_p < 1 else None
+    if truncation is None:
+        batch["old_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.actor)), batch, **passes)  # [b, R]
+        actor_sampling = batch["old_logprob"]
+    else:   # the samplers report log-probs of the cut distribution: the actor's too, from the same pass
+        def full_and_cut(mb):
+            logprob, _, cut = response_logprobs(run.actor, mb, temperature, truncation=truncation)
+            return torch.stack([logprob, cut], dim=-1)                                    # [b, r, 2]
+        both = forward_in_micro_batches(agreed(full_and_cut), batch, **passes)            # [b, R, 2]
+        batch["old_logprob"], actor_sampling = both[..., 0].contiguous(), both[..., 1].contiguous()
+    if run.ref is not None:
+        batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.ref)), batch, **passes)
+    elif cfg.lora_rank and (cfg.use_kl_in_reward or cfg.use_kl_loss):
+        with accelerator.unwrap_model(run.actor).disable_adapter():   # the base model is the reference
+            batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.actor)), batch, **passes)
+    if run.critic is not None:
+        size, budget = run.oom.scaled("log_prob", critic_sched.micro_batch, critic_sched.max_tokens)
+        batch["values"] = forward_in_micro_batches(agreed(lambda mb: critic_values(run.critic, mb)), batch, size=size,
+                                                   max_tokens=budget, agree=passes["agree"])
+    return actor_sampling
 
 
 def sampler_drift(accelerator, data: Rollouts) -> float:
@@ -600,6 +653,7 @@ def train_step(run: Run, step: int) -> dict:
     times: dict = {}
     step_start = time.perf_counter()
     temperature = run.guards.temperature   # entropy_floor may have changed it
+    run.oom.start_step(step)
     per_rank = cfg.train_batch_size // world
     share = lambda: run.stream.next()[accelerator.process_index * per_rank:][:per_rank]   # noqa: E731
     idx = share()                                                                  # this rank's prompts
@@ -631,13 +685,15 @@ def train_step(run: Run, step: int) -> dict:
         if run.critic is not None:
             critic, critic_optim, critic_sched = run.trained["critic"]
             with recompute_activations(critic, critic_checkpointing(cfg), cfg.activation_offload), timed(updates, "critic"):
-                metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, run.autocast, run.ds))
+                metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, run.autocast, run.ds,
+                                             oom=run.oom))
             critic_sched.step()
         if step >= cfg.critic_warmup:   # verl: update the actor once global_steps >= critic_warmup
             actor, actor_optim, actor_sched = run.trained["actor"]
             with recompute_activations(actor, cfg.gradient_checkpointing, cfg.activation_offload), timed(updates, "actor"):
                 metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, run.autocast, run.ds, run.sft,
-                                            temperature, run.guards.entropy_coeff))
+                                            temperature, run.guards.entropy_coeff, oom=run.oom,
+                                            max_grad_norm=run.guards.max_grad_norm))
             metrics["actor/lr"] = actor_sched.get_last_lr()[0]
             actor_sched.step()
 
@@ -662,6 +718,11 @@ def train_step(run: Run, step: int) -> dict:
         if cfg.entropy_floor:
             metrics.update({"guard/entropy_reaction": float(run.guards.entropy_reaction),
                             "guard/temperature": temperature, "guard/entropy_coeff": run.guards.entropy_coeff})
+        if cfg.nan_clip_reaction:
+            metrics.update({"guard/nan_clip_reaction": float(run.guards.nan_clip),
+                            "guard/max_grad_norm": run.guards.max_grad_norm})
+        if cfg.max_oom_retries:
+            metrics.update(run.oom.metrics())
         if cfg.skip_nonfinite_rewards:
             metrics["reward/nonfinite_frac"] = nonfinite.float().mean().item()
         metrics["rollout/logprob_diff"] = drift
@@ -724,7 +785,7 @@ def checkpoint(run: Run, step: int) -> None:
         "data": {"epoch": run.stream.epoch, "pos": run.stream.pos},
         "sft_data": {"epoch": run.sft.rows.epoch, "pos": run.sft.rows.pos} if run.sft else None,
         "mlflow_run_id": tracker.run_id, "rollbacks": guards.rollbacks,
-        "entropy_reaction": guards.entropy_reaction},
+        "entropy_reaction": guards.entropy_reaction, "guards": guards.state_dict(), "oom": run.oom.state_dict()},
         {"engine": run.engine.state_dict()})
 
 
@@ -740,11 +801,12 @@ def main(cfg: Config) -> None:
                        getattr(tracker, "uri", ""), cfg.mlflow_experiment, run.total_steps)
     stop, guards = StopSignal(), run.guards
     optimizer_steps = cfg.ppo_epochs * (cfg.train_batch_size // cfg.ppo_mini_batch_size)
-    status, final_dir, bar = "FAILED", None, None
+    status, final_dir, bar, early = "FAILED", None, None, None
     try:
         if val and cfg.val_before_train and not run.resumed:
             val_metrics, samples = run_validation(cfg, accelerator, run.engine, run.scorer, run.tokenizer, val, run.tools)
             tracker.log(0, val_metrics)
+            guards.early_stop(0, val_metrics)   # the score to improve on
             tracker.log_samples(0, samples)
         bar = tqdm(desc="ppo", initial=run.first_step - 1, total=run.total_steps,
                    disable=not accelerator.is_main_process)
@@ -767,10 +829,10 @@ def main(cfg: Config) -> None:
                 step = bar.n = run.first_step
                 continue
 
-            # 8 checkpoint (on its frequency, or when asked to stop)
-            stopping = stop.agreed(accelerator)
+            # 8 checkpoint (on its frequency, when asked to stop, or at an early stop)
+            stopping, early = stop.agreed(accelerator), guards.early_stop(step, metrics)
             on_freq = cfg.save_freq > 0 and (step % cfg.save_freq == 0 or step == run.total_steps)
-            if stopping or on_freq:
+            if stopping or on_freq or early:
                 checkpoint(run, step)
             if stopping:
                 bar.close()
@@ -779,6 +841,10 @@ def main(cfg: Config) -> None:
                           flush=True)
                 status = "KILLED"
                 return
+            if early:   # every rank alike: judged on figures reduced over ranks
+                if accelerator.is_main_process:
+                    print(f"early stop after step {step}: {early}; checkpoint saved", flush=True)
+                break
             step += 1
             bar.update(1)
 
@@ -790,10 +856,10 @@ def main(cfg: Config) -> None:
     finally:
         if bar is not None:
             bar.close()   # before anything else is printed, so the bar's last state stays one line
-        tracker.finish(status, final_dir)
+        tracker.finish(status, final_dir, early)
         if accelerator.is_main_process:
             console.summary(Path(cfg.output_dir), status, tracker.history, tracker.uri, cfg.mlflow_experiment,
-                            tracker.run_id, peak_memory_gb())
+                            tracker.run_id, peak_memory_gb(), early)
         # a rank leaving on an error (or a second Ctrl-C) runs no collective: the others may be
         # inside a different one, and the launcher ends them once this process exits
         if status != "FAILED":

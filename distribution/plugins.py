@@ -197,3 +197,11 @@ def param_share(model) -> tuple[int, int]:
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     return local, total
+
+
+def set_gradient_clipping(engine, max_norm: float) -> None:
+    """A DeepSpeed engine's clipping norm from now on (a guard's reaction moves it): the engine
+    reads its config's value at each step, ZeRO's optimizer keeps its own copy from the start."""
+    engine._config.gradient_clipping = max_norm
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = max_norm

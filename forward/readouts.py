@@ -3,6 +3,7 @@ head, packed rows where that saves work), the critic's values and the reward mod
 """
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import torch
@@ -41,6 +42,7 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     finally:
         if hook is not None:
             hook.remove()
+    _test_oom(batch)
     if fused:
         hidden = captured[0]                                                      # [B, R, H] or [1, B * R, H]
         logprob, entropy = head_logprobs(hidden.reshape(B * R, -1), head.weight, batch["responses"].reshape(-1),
@@ -65,6 +67,19 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
         truncated = torch.stack([support_logprobs(_scaled(row, temperature), tokens, *truncation)
                                  for row, tokens in zip(logits, batch["responses"])])  # [B, R]
     return logprob, entropy, truncated
+
+
+def _test_oom(batch: dict) -> None:
+    """A test switch, read here only: FLAT_PPO_TEST_OOM="RANK:N" makes the log-prob passes of the
+    process with that RANK raise torch.OutOfMemoryError on a micro-batch of more than N tokens,
+    right after the model's forward (past its ZeRO-3 gathers), where the LM head's [B, R, V] work
+    allocates the most. tests/test_oom.py drives the OOM reaction with it."""
+    spec = os.environ.get("FLAT_PPO_TEST_OOM")
+    if spec:
+        rank, limit = spec.split(":")
+        tokens = int(batch["attention_mask"].sum())
+        if os.environ.get("RANK", "0") == rank and tokens > int(limit):
+            raise torch.OutOfMemoryError(f"FLAT_PPO_TEST_OOM: a micro-batch of {tokens} tokens > {limit} on rank {rank}")
 
 
 @torch.no_grad()

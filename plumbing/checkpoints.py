@@ -34,7 +34,13 @@ from rollout.sync import actor_weights
 # holds, so a run a guard stopped resumes with the advised change (a new actor_lr rescales the
 # restored schedule: guards.rescale_lr)
 GUARD_ADVICE_KEYS = {"actor_lr", "kl_rollback_threshold", "max_rollbacks", "rollback_lr_factor", "max_consecutive_skips",
-                     "rollout_on_drift", "rollout_max_logprob_diff"}
+                     "rollout_on_drift", "rollout_max_logprob_diff", "max_oom_retries", "nan_clip_reaction",
+                     "nan_clip_max_grad_norm", "nan_clip_clean_steps", "early_stop_patience", "early_stop_loss_rtol",
+                     "early_stop_loss_steps",
+                     # what the OOM stop advises lowering: the cut of the work, not what a checkpoint holds
+                     "ppo_micro_batch_size_per_device", "log_prob_micro_batch_size_per_device",
+                     "critic_ppo_micro_batch_size_per_device", "ppo_max_token_len_per_device",
+                     "critic_ppo_max_token_len_per_device", "log_prob_max_token_len_per_device"}
 # keys that may change between a checkpoint and its resumption; any other difference is refused
 RESUMABLE_KEYS = {"total_training_steps", "save_freq", "save_total_limit", "resume", "test_freq", "val_before_train",
                   "mlflow_tracking_uri", "mlflow_experiment", "mlflow_log_model", "run_name", "log_samples", "output_dir",

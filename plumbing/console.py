@@ -57,11 +57,14 @@ def header(model_path: str, params: int, world: int, zero_stage: int | None, eng
 
 
 def summary(out_dir: Path, status: str, history: list[dict], mlflow_uri: str, experiment: str,
-            run_id: str | None, peak_gb: float) -> None:
-    """Where the outputs are, the last validation figure and the command that opens MLflow's UI."""
+            run_id: str | None, peak_gb: float, stop_reason: str | None = None) -> None:
+    """Where the outputs are, the last validation figure and the command that opens MLflow's UI;
+    stop_reason: which early stop ended the run, if one did."""
     last_val = next((r for r in reversed(history) if "val/accuracy" in r or "val/score_mean" in r), None)
     lines = [f"run {status.lower()} after step {history[-1]['step'] if history else 0}; peak memory of this "
              f"process {peak_gb:.2f} GiB"]
+    if stop_reason:
+        lines.append(f"  stopped early: {stop_reason}")
     if last_val:
         key = "val/accuracy" if "val/accuracy" in last_val else "val/score_mean"
         first = next(r[key] for r in history if key in r)

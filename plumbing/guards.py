@@ -7,7 +7,10 @@
 A KL drift or a run of skipped (non-finite) optimizer steps rolls back to the last checkpoint with
 a lower actor lr; entropy collapse is warned about and, with entropy_floor, reacted to (another
 sampling temperature and/or entropy bonus until it recovers): train_ppo reads `temperature` and
-`entropy_coeff` from here every step.
+`entropy_coeff` from here every step. With nan_clip_reaction a skipped (non-finite) actor step
+tightens the actor's gradient clipping (`max_grad_norm`) until a clean stretch; `early_stop` says
+when the run has stopped improving (validation score or flat losses). The OOM reaction is
+oom.py's.
 """
 import sys
 
@@ -22,6 +25,20 @@ class Guards:
     def __init__(self, cfg):   # train_ppo's Config
         self.cfg, self.rollbacks, self.consecutive_skips = cfg, 0, 0
         self.entropy_reaction = False   # saved in checkpoints
+        self.nan_clip, self.clean_steps = False, 0                       # state_dict() from here on
+        self.best_val, self.stale_vals, self.last_losses, self.flat_steps = None, 0, None, 0
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self.cfg.nan_clip_max_grad_norm if self.nan_clip else self.cfg.max_grad_norm
+
+    def state_dict(self) -> dict:
+        return {"nan_clip": self.nan_clip, "clean_steps": self.clean_steps, "best_val": self.best_val,
+                "stale_vals": self.stale_vals, "last_losses": self.last_losses, "flat_steps": self.flat_steps}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        for key, value in (state or {}).items():
+            setattr(self, key, value)
 
     @property
     def temperature(self) -> float:
@@ -55,10 +72,51 @@ class Guards:
                 print(f"warning: step {step}: guard/entropy={measure:.4g} "
                       f"{'< entropy_floor' if turn_on else '> entropy_recover'}: from the next step temperature="
                       f"{self.temperature:g}, entropy_coeff={self.entropy_coeff:g}", file=sys.stderr, flush=True)
+        if cfg.nan_clip_reaction and "actor/skipped_steps" in metrics:
+            self._nan_clip(step, skipped)
         if cfg.kl_rollback_threshold > 0 and metrics.get("kl/mean", 0.0) > cfg.kl_rollback_threshold:
             return f"kl/mean={metrics['kl/mean']:.4g} > kl_rollback_threshold={cfg.kl_rollback_threshold}"
         if cfg.max_consecutive_skips > 0 and self.consecutive_skips >= cfg.max_consecutive_skips:
             return f"{self.consecutive_skips} optimizer steps in a row skipped for a non-finite gradient norm"
+        return None
+
+    def _nan_clip(self, step: int, skipped: int) -> None:
+        """On at a skipped actor step; off after nan_clip_clean_steps steps in a row without one (a
+        skip while reacting starts the stretch again, so it cannot flap at every other step)."""
+        cfg, was = self.cfg, self.nan_clip
+        if skipped:
+            self.nan_clip, self.clean_steps = True, 0
+        elif self.nan_clip:
+            self.clean_steps += 1
+            self.nan_clip = self.clean_steps < cfg.nan_clip_clean_steps
+        if self.nan_clip != was:
+            why = (f"{skipped} actor step(s) skipped for a non-finite gradient norm" if self.nan_clip else
+                   f"{self.clean_steps} steps in a row without a skipped actor step")
+            print(f"warning: step {step}: {why}: from the next step max_grad_norm={self.max_grad_norm:g} "
+                  "(nan_clip_reaction)", file=sys.stderr, flush=True)
+
+    def early_stop(self, step: int, metrics: dict) -> str | None:
+        """After a step's log (or the validation before training, step 0) -> why to stop now, or
+        None. Every rank decides alike: the figures are reduced over ranks."""
+        cfg = self.cfg
+        key = "val/accuracy" if "val/accuracy" in metrics else "val/score_mean"
+        if cfg.early_stop_patience > 0 and key in metrics:
+            if self.best_val is None or metrics[key] > self.best_val:
+                self.best_val, self.stale_vals = metrics[key], 0
+            else:
+                self.stale_vals += 1
+            if self.stale_vals >= cfg.early_stop_patience:
+                return (f"early_stop_patience: {key} has not improved on its best {self.best_val:.4g} for "
+                        f"{self.stale_vals} validations")
+        losses = [metrics[k] for k in ("actor/pg_loss", "critic/vf_loss") if k in metrics]
+        if cfg.early_stop_loss_rtol > 0 and losses:
+            last, self.last_losses = self.last_losses, losses
+            flat = last is not None and len(last) == len(losses) and all(
+                abs(now - before) <= cfg.early_stop_loss_rtol * abs(before) for now, before in zip(losses, last))
+            self.flat_steps = self.flat_steps + 1 if flat else 0
+            if self.flat_steps >= cfg.early_stop_loss_steps:
+                return (f"early_stop_loss_rtol: the losses changed by less than {cfg.early_stop_loss_rtol:g} of "
+                        f"themselves for {self.flat_steps} steps in a row")
         return None
 
     def rollback(self, step: int, reason: str, restore, optim, sched, announce: bool) -> dict:

@@ -105,9 +105,12 @@ class Tracker:
         except Exception as e:   # the tracking store is a convenience; metrics.jsonl is the record
             print(f"warning: MLflow did not take {what}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
-    def finish(self, status: str, final_dir: Path | None):
+    def finish(self, status: str, final_dir: Path | None, stop_reason: str | None = None):
+        """stop_reason: why a run ended before total_training_steps (early stop), as the run's tag."""
         if not self.enabled:
             return
+        if stop_reason:
+            self._try("the stop reason", lambda: self.mlflow.set_tag("stop_reason", stop_reason))
         self.metrics_file.close()
         self.log_curves()
         if final_dir is not None and self.log_model:

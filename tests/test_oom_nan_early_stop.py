@@ -1,0 +1,211 @@
+"""Issue 21, sections 3 and 4: the OOM reaction (plumbing/oom.py), the NaN clip reaction and early
+stop (plumbing/guards.py), end to end on the demo.
+
+The OOMs are real torch.OutOfMemoryError raised by the code's one test switch, FLAT_PPO_TEST_OOM
+("RANK:N": that rank's log-prob passes fail on a micro-batch of more than N tokens, right after the
+model's forward; forward/readouts.py). The NaN steps come from real autograd with a NaN gradient
+fed in through sitecustomize (the repo's way of injecting faults from outside the trainer)."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from config import load_config
+from plumbing.guards import Guards
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "train_ppo.py"
+ZERO3 = ROOT / "accelerate_configs" / "zero3.yaml"
+# ignore_eos: every sequence is 6 + 4 = 10 tokens, so a micro-batch of 8 has 80 and one of 6 has 60
+RUN = ["--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=8",
+       "--ppo_epochs=1", "--rollout_ignore_eos=true", "--max_response_length=4", "--test_freq=-1",
+       "--val_before_train=false", "--mlflow_log_model=false"]
+OOM_ABOVE_70_ON_RANK0 = {"FLAT_PPO_TEST_OOM": "0:70"}
+
+
+def env_for(tmp_path, **extra):
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
+    env.pop("FLAT_PPO_TEST_OOM", None)
+    env.update(extra)
+    return env
+
+
+def run1(tmp_path, *args, env_extra=None, timeout=600):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=env_for(tmp_path, **(env_extra or {})),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def tail(proc):
+    return proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def same(rs):   # what must not depend on the OOMs: everything but clocks and the guard's own figures
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/", "guard/"))} for r in rs]
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. OOM reaction
+@pytest.mark.slow
+def test_zero3_oom_on_one_rank_is_agreed_and_the_run_goes_on_with_smaller_micro_batches(tmp_path):
+    """2-process ZeRO-3; only rank 0 raises OutOfMemoryError (micro-batches of 80 tokens > 70), in
+    the old log-prob passes and in the actor update. Both ranks must agree (no hang: the launch has
+    a timeout), redo each phase with 8 -> 6 sequences, finish, and checkpoint the new sizes."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3), "--main_process_port",
+           str(29500 + os.getpid() % 1000), str(SCRIPT), f"--output_dir={out}", "--total_training_steps=2",
+           "--save_freq=2", *RUN]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env_for(tmp_path, **OOM_ABOVE_70_ON_RANK0), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, tail(proc)
+    print(proc.stderr[-4000:])   # the log lines, for the record (pytest -s)
+    warned = [line for line in proc.stderr.splitlines() if "out of memory in phase" in line]
+    assert len(warned) == 2, proc.stderr[-3000:]   # said once, by the main process, per reaction
+    assert "phase log_prob" in warned[0] and "phase actor" in warned[1]
+    assert all("micro-batch size 6 (was micro-batch size 8" in line for line in warned)
+    logged = records(out)
+    assert [r["step"] for r in logged] == [1, 2]
+    assert [r["guard/oom"] for r in logged] == [2.0, 0.0]
+    for r in logged:
+        assert r["guard/oom_micro_batch_size/log_prob"] == 6.0 and r["guard/oom_micro_batch_size/actor"] == 6.0
+        assert r["guard/oom_micro_batch_size/critic"] == 8.0   # the critic's passes never failed
+        assert r["actor/skipped_steps"] == 0 and math.isfinite(r["actor/pg_loss"])
+    state = json.loads((out / "checkpoints" / "step_2" / "trainer_state.json").read_text())
+    assert state["oom"]["sizes"] == {"log_prob": [6, 0], "actor": [6, 0], "critic": [8, 0]}
+
+
+@pytest.mark.slow
+def test_an_oom_redo_trains_exactly_like_the_smaller_size_and_its_sizes_resume(tmp_path):
+    """The redone step is the step at the smaller size (no partial update, no doubled work): a run
+    that runs out of memory at 8 sequences equals one configured with 6 from the start, metric for
+    metric; stopped after step 2 and resumed without the switch, it keeps 6 (from the checkpoint)."""
+    oom, plain = tmp_path / "oom", tmp_path / "plain"
+    # critic-free: the critic's own sizes would differ between the two runs (it never runs out here)
+    grpo = ["--adv_estimator=grpo", "--use_kl_in_reward=false", *RUN]
+    first = run1(tmp_path, f"--output_dir={oom}", "--total_training_steps=2", "--save_freq=2", *grpo,
+                 env_extra=OOM_ABOVE_70_ON_RANK0)
+    assert first.returncode == 0, tail(first)
+    resumed = run1(tmp_path, f"--output_dir={oom}", "--total_training_steps=3", "--save_freq=2", *grpo)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, tail(resumed)
+    proc = run1(tmp_path, f"--output_dir={plain}", "--total_training_steps=3", *grpo,
+                "--ppo_micro_batch_size_per_device=6")
+    assert proc.returncode == 0, tail(proc)
+    reacted = records(oom)
+    assert [r["guard/oom"] for r in reacted] == [2.0, 0.0, 0.0]
+    assert all(r["guard/oom_micro_batch_size/actor"] == 6.0 for r in reacted)   # step 3: restored, not 8
+    assert same(reacted) == same(records(plain))
+
+
+@pytest.mark.slow
+def test_oom_after_max_oom_retries_in_a_row_stops_with_one_line_naming_the_phase_and_keys(tmp_path):
+    """Every micro-batch fails (more than 5 tokens): 8 -> 6 -> 4, then the third OOM in a row stops
+    the run with one line, no traceback."""
+    proc = run1(tmp_path, f"--output_dir={tmp_path / 'out'}", "--total_training_steps=2", "--max_oom_retries=2",
+                *RUN, env_extra={"FLAT_PPO_TEST_OOM": "0:5"})
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, tail(proc)
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1, proc.stderr[-3000:]
+    assert "out of memory in phase log_prob 3 time(s) in a row, down to micro-batch size 4" in error[0]
+    assert "lower log_prob_micro_batch_size_per_device" in error[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. NaN clip reaction
+NAN_GRADIENTS = """
+import os, torch
+_backward, _calls = torch.autograd.backward, [0]
+
+
+def backward(tensors, grad_tensors=None, *args, **kwargs):
+    # the actor's 4 backward passes of steps 1 and 3 (grpo: no critic) get a NaN gradient
+    _calls[0] += 1
+    if _calls[0] in (1, 2, 3, 4, 9, 10, 11, 12):
+        grad_tensors = torch.full_like(tensors, float("nan"))
+    return _backward(tensors, grad_tensors, *args, **kwargs)
+
+
+torch.autograd.backward = backward
+"""
+
+
+@pytest.mark.slow
+def test_nan_clip_reaction_tightens_clipping_until_a_clean_stretch_and_resumes(tmp_path):
+    """Steps 1 and 3 are skipped (NaN gradients): clipping is 0.5 from step 2, the skip at step 3
+    starts the clean stretch again (no flapping back to 1.0 at step 4), and after 2 clean steps
+    (4 and 5) step 6 clips at 1.0 again. Stopped after step 3 and resumed (without the injection,
+    which only touched steps 1 and 3), the run carries on in the same state."""
+    (tmp_path / "sitecustomize.py").write_text(NAN_GRADIENTS)
+    react = ["--adv_estimator=grpo", "--use_kl_in_reward=false", "--nan_clip_reaction=true",
+             "--nan_clip_clean_steps=2", *RUN]
+    sub = lambda steps, out, inject: subprocess.run(   # noqa: E731
+        [sys.executable, str(SCRIPT), f"--output_dir={out}", f"--total_training_steps={steps}", "--save_freq=3",
+         *react], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env=env_for(tmp_path, **({"PYTHONPATH": str(tmp_path)} if inject else {})))
+    whole = sub(6, tmp_path / "whole", True)
+    assert whole.returncode == 0, tail(whole)
+    logged = records(tmp_path / "whole")
+    assert [r["actor/skipped_steps"] for r in logged] == [2, 0, 2, 0, 0, 0]
+    assert [r["guard/max_grad_norm"] for r in logged] == [1.0, 0.5, 0.5, 0.5, 0.5, 1.0]
+    assert [r["guard/nan_clip_reaction"] for r in logged] == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    assert whole.stderr.count("(nan_clip_reaction)") == 2   # on once, off once
+    split = tmp_path / "split"
+    assert sub(3, split, True).returncode == 0
+    resumed = sub(6, split, False)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, tail(resumed)
+    assert same(records(split)) == same(logged)
+    assert [r["guard/max_grad_norm"] for r in records(split)] == [1.0, 0.5, 0.5, 0.5, 0.5, 1.0]
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. early stop
+@pytest.mark.slow
+def test_early_stop_patience_stops_with_a_final_checkpoint_and_says_why(tmp_path):
+    """An actor_lr too small to move the weights: the validation score after step 1 equals the one
+    before training, so with early_stop_patience=1 the run stops there, saves a checkpoint and the
+    final model, and says which rule fired (console, MLflow tag)."""
+    out = tmp_path / "out"
+    proc = run1(tmp_path, f"--output_dir={out}", "--total_training_steps=5", "--actor_lr=1e-12", "--critic_lr=1e-12",
+                "--early_stop_patience=1", *[a for a in RUN if "test_freq" not in a and "val_before" not in a],
+                "--test_freq=1")
+    assert proc.returncode == 0, tail(proc)
+    assert [r["step"] for r in records(out)] == [0, 1]
+    assert (out / "checkpoints" / "step_1" / "trainer_state.json").is_file() and (out / "final").is_dir()
+    assert "early stop after step 1: early_stop_patience" in proc.stdout
+    assert "stopped early: early_stop_patience: val/accuracy has not improved" in proc.stdout
+    import mlflow
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    run = mlflow.search_runs(experiment_names=["ppo"], output_format="list")[0]
+    assert run.data.tags["stop_reason"].startswith("early_stop_patience") and run.info.status == "FINISHED"
+
+
+def guards(*args):
+    return Guards(load_config([*args, "--total_training_steps=100"]))
+
+
+def test_early_stop_on_flat_losses_counts_steps_in_a_row():
+    g = guards("--early_stop_loss_rtol=1e-4", "--early_stop_loss_steps=2")
+    flat = lambda x: {"actor/pg_loss": x, "critic/vf_loss": 2.0}   # noqa: E731
+    assert g.early_stop(1, flat(1.0)) is None
+    assert g.early_stop(2, flat(1.00005)) is None          # 1 flat step
+    assert g.early_stop(3, flat(1.1)) is None              # a real change starts the count again
+    assert g.early_stop(4, flat(1.10001)) is None
+    assert "early_stop_loss_rtol" in g.early_stop(5, flat(1.1))
+    off = guards()
+    assert all(off.early_stop(s, flat(1.0)) is None for s in range(1, 20))   # off by default
+
+
+def test_early_stop_patience_counts_validations_without_improvement_only():
+    g = guards("--early_stop_patience=2")
+    assert g.early_stop(0, {"val/accuracy": 0.2}) is None
+    assert g.early_stop(1, {"actor/pg_loss": 0.1}) is None       # no validation: nothing counted
+    assert g.early_stop(2, {"val/accuracy": 0.2}) is None        # not improved: 1
+    assert g.early_stop(3, {"val/accuracy": 0.3}) is None        # improved: 0
+    assert g.early_stop(4, {"val/accuracy": 0.25}) is None
+    assert "early_stop_patience" in g.early_stop(5, {"val/accuracy": 0.3})
