@@ -532,8 +532,7 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
             sampled: Sampled | None = None) -> Rollouts:
     """Phases 1-3 on this rank's prompts idx (or on the groups dynamic sampling kept): generate,
     score, forward passes."""
-    cfg, accelerator, tokenizer, device = run.cfg, run.accelerator, run.tokenizer, run.accelerator.device
-    micro = cfg.log_prob_micro_batch_size_per_device or cfg.ppo_micro_batch_size_per_device   # no-grad passes
+    cfg, tokenizer, device = run.cfg, run.tokenizer, run.accelerator.device
 
     # 1 generate: rollout_n responses per prompt, prompt-major order (and their raw scores)
     if sampled is None:
@@ -645,6 +644,39 @@ def check_drift(run: Run, step: int, idx: list[int], data: Rollouts, temperature
     return data, drift, False
 
 
+def rollout_metrics(run: Run, data: Rollouts, batch: dict, drift: float, regenerated: bool,
+                    temperature: float) -> dict:
+    """Phase 7's figures of this rank's rollouts and of the guards' state (reduced over ranks with
+    the update's). batch: what the update saw (PF-PPO redraws it)."""
+    cfg, scores, mask = run.cfg, data.scores, data.batch["response_mask"]
+    metrics = {
+        "reward/score_mean": scores.mean().item(),
+        "reward/score_std": scores.std().item() if len(scores) > 1 else 0.0,
+        "reward/score_median": median_over_ranks(run.accelerator, scores),
+        "rollout/response_len_mean": mask.sum(-1).mean().item(),
+        "rollout/truncated_frac": data.truncated.float().mean().item(),
+        "rollout/logprob_diff": drift,
+        "perf/tokens": batch["attention_mask"].sum().item() * run.accelerator.num_processes,   # mean over ranks: a sum
+    }
+    if run.scorer.is_verifier:
+        metrics["reward/accuracy"] = (scores >= 1.0).float().mean().item()
+    if cfg.entropy_floor:
+        metrics.update({"guard/entropy_reaction": float(run.guards.entropy_reaction),
+                        "guard/temperature": temperature, "guard/entropy_coeff": run.guards.entropy_coeff})
+    if cfg.nan_clip_reaction:
+        metrics.update({"guard/nan_clip_reaction": float(run.guards.nan_clip),
+                        "guard/max_grad_norm": run.guards.max_grad_norm})
+    if cfg.max_oom_retries:
+        metrics.update(run.oom.metrics())
+    if cfg.skip_nonfinite_rewards:
+        metrics["reward/nonfinite_frac"] = data.nonfinite.float().mean().item()
+    if cfg.rollout_on_drift == "regenerate":
+        metrics["rollout/regenerated"] = float(regenerated)
+    metrics.update({f"rollout_is/{k}": v.item() for k, v in data.is_stats.items()})
+    metrics.update(data.tool_stats)   # time/tools_s: part of time/gen_s
+    return metrics
+
+
 def train_step(run: Run, step: int) -> dict:
     """One PPO iteration on this rank's share of the prompt batch -> the step's metrics, reduced
     over ranks, with the time of each phase."""
@@ -670,8 +702,7 @@ def train_step(run: Run, step: int) -> dict:
         idx = sampled.idx
     data = collect(run, idx, engine, temperature, times, sampled)
     data, drift, regenerated = check_drift(run, step, idx, data, temperature, times)
-    batch, scores, truncated, mask = data.batch, data.scores, data.truncated, data.batch["response_mask"]
-    nonfinite, valid, token_scores, is_stats = data.nonfinite, ~data.nonfinite, data.token_scores, data.is_stats
+    batch, valid, token_scores = data.batch, ~data.nonfinite, data.token_scores
 
     # 4 rewards and advantages over the whole batch (timed with the forward passes: it is tiny)
     with timed(times, "forward"):
@@ -705,32 +736,7 @@ def train_step(run: Run, step: int) -> dict:
 
     # 7 log: each metric reduced over ranks once
     with timed(times, "log"):
-        metrics.update({
-            "reward/score_mean": scores.mean().item(),
-            "reward/score_std": scores.std().item() if len(scores) > 1 else 0.0,
-            "reward/score_median": median_over_ranks(accelerator, scores),
-            "rollout/response_len_mean": mask.sum(-1).mean().item(),
-            "rollout/truncated_frac": truncated.float().mean().item(),
-            "perf/tokens": batch["attention_mask"].sum().item() * world,   # the mean over ranks makes it a sum
-        })
-        if run.scorer.is_verifier:
-            metrics["reward/accuracy"] = (scores >= 1.0).float().mean().item()
-        if cfg.entropy_floor:
-            metrics.update({"guard/entropy_reaction": float(run.guards.entropy_reaction),
-                            "guard/temperature": temperature, "guard/entropy_coeff": run.guards.entropy_coeff})
-        if cfg.nan_clip_reaction:
-            metrics.update({"guard/nan_clip_reaction": float(run.guards.nan_clip),
-                            "guard/max_grad_norm": run.guards.max_grad_norm})
-        if cfg.max_oom_retries:
-            metrics.update(run.oom.metrics())
-        if cfg.skip_nonfinite_rewards:
-            metrics["reward/nonfinite_frac"] = nonfinite.float().mean().item()
-        metrics["rollout/logprob_diff"] = drift
-        metrics.update(filtered)
-        if cfg.rollout_on_drift == "regenerate":
-            metrics["rollout/regenerated"] = float(regenerated)
-        metrics.update({f"rollout_is/{k}": v.item() for k, v in is_stats.items()})
-        metrics.update(data.tool_stats)   # time/tools_s: part of time/gen_s
+        metrics.update({**rollout_metrics(run, data, batch, drift, regenerated, temperature), **filtered})
         if run.peak_flops:
             metrics.update(model_flops_utilisation(run, batch, updates, world))
         metrics = reduce_metrics(accelerator, {**metrics, **times})
