@@ -80,3 +80,17 @@ def test_two_ranks_split_equal_one_unsplit(tmp_path):
     assert f["zero3_weights"] < 1e-5 < f["weights_moved"], f
     # the test can fail: each rank attending only within its own half of the row is far off
     assert f["without_all_to_all"] > 1e-2, f
+
+
+def test_a_model_whose_heads_do_not_split_is_refused_at_load(tmp_path):
+    from modeling import loading
+    from test_bad_input_sources import tiny_llama
+    model = tiny_llama(tmp_path / "m")                    # 2 attention heads, 2 key-value heads
+    cfg = Config(adv_estimator="grpo", use_kl_in_reward=False, model_path=str(model), ulysses_sequence_parallel_size=4)
+    with pytest.raises(UserError) as e:
+        loading.load_models(cfg)
+    text = str(e.value)
+    assert "\n" not in text and "ulysses_sequence_parallel_size=4: model_path cannot be split" in text, text
+    assert "2 attention heads and 2 key-value heads" in text, text
+    loading.load_models(Config(adv_estimator="grpo", use_kl_in_reward=False, model_path=str(model),
+                               ulysses_sequence_parallel_size=2))
