@@ -205,6 +205,10 @@ class Config:
     ppo_max_token_len_per_device: int = opt(16384, "use_dynamic_bsz: prompt+response tokens per micro-batch")
     remove_padding: bool = opt(True, "pack each micro-batch's sequences end to end in one row, so no layer computes "
                                      "on padding (verl's use_remove_padding); False = pad them to the longest")
+    ulysses_sequence_parallel_size: int = opt(1, "Ulysses sequence parallelism (DeepSpeed's ALST): each group of "
+                                                 "this many ranks holds the same sequences and splits every packed "
+                                                 "row along its length, attention heads exchanged all-to-all (world "
+                                                 "= data-parallel x this; needs remove_padding); 1 = off")
     critic_ppo_mini_batch_size: typing.Optional[int] = opt(None, "critic: prompts per optimizer step; None = ppo_mini_batch_size")
     critic_ppo_micro_batch_size_per_device: typing.Optional[int] = opt(
         None, "critic: sequences per forward/backward on one device; None = ppo_micro_batch_size_per_device")
@@ -375,6 +379,10 @@ def validate_config(cfg: Config) -> None:
          f"rollout_tensor_model_parallel_size must be >= 1, got {cfg.rollout_tensor_model_parallel_size}")
     need(cfg.rollout_tensor_model_parallel_size == 1 or cfg.rollout_engine == "vllm",
          f"rollout_tensor_model_parallel_size={cfg.rollout_tensor_model_parallel_size} needs rollout_engine=vllm")
+    sp = cfg.ulysses_sequence_parallel_size
+    need(sp >= 1, f"ulysses_sequence_parallel_size must be >= 1, got {sp}")
+    need(sp == 1 or cfg.remove_padding, f"ulysses_sequence_parallel_size={sp} splits packed rows: it needs "
+                                        "remove_padding=true")
     need(not cfg.activation_offload or cfg.gradient_checkpointing or critic_checkpointing(cfg),
          "activation_offload moves what checkpointed layers keep: it needs gradient_checkpointing (or "
          "critic_gradient_checkpointing)")

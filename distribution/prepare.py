@@ -33,6 +33,13 @@ def check_world_size(cfg: Config, world: int) -> None:
         if getattr(cfg, key) is not None and getattr(cfg, key) % world:
             raise UserError(f"{key}={getattr(cfg, key)} is not divisible by the {world} processes: change {key} "
                             f"or num_processes")
+    sp = cfg.ulysses_sequence_parallel_size
+    if world % sp:
+        raise UserError(f"ulysses_sequence_parallel_size={sp} does not divide the {world} processes (world = "
+                        f"data-parallel x sequence-parallel): change it or num_processes")
+    if sp > 1:   # forward/ulysses.py runs the sharded log-prob pass; the script does not call it yet
+        raise UserError(f"ulysses_sequence_parallel_size={sp}: train_ppo.py does not run sharded passes yet "
+                        "(issue 23: the forward is built, the script's wiring is not); set it to 1")
     tp = cfg.rollout_tensor_model_parallel_size
     if tp > 1 and not torch.cuda.is_available():
         raise UserError(f"rollout_tensor_model_parallel_size={tp}: vLLM tensor parallelism needs GPUs and this machine "

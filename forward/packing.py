@@ -73,6 +73,9 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None            # [1, T, h, d]
 
 
+packed_attention = _attention   # what forward/ulysses.py runs on the whole row between its all-to-alls
+
+
 def _band(n: int, window, device):
     """[n, n] bool, True where query i sees key j: causal, and within `window` tokens when given
     (j > i - window, transformers' sliding-window convention)."""

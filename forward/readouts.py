@@ -9,7 +9,7 @@ from contextlib import nullcontext
 import torch
 
 from core_algos import entropy_from_logits
-from forward import packing
+from forward import packing, ulysses
 from forward.head_logprobs import head_logprobs, support_logprobs, truncated_logprobs
 
 
@@ -25,14 +25,10 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     or an adapter, other post-processing of the logits, or ZeRO-3, whose partitioned weight exists
     only inside the head's own forward) the logits are made and reduced one sequence at a time. The entropy builds a graph
     only when it is part of the loss (entropy_grad)."""
+    if ulysses.size() > 1:
+        return _sharded_logprobs(model, batch, temperature, with_entropy, entropy_grad, truncation)
     B, R = batch["responses"].shape
-    head = _unwrap(model).get_output_embeddings()
-    transform = getattr(_unwrap(model), "head_transform", (1.0, None))    # set by load_models
-    fused = (transform is not None and type(head) is torch.nn.Linear and head.bias is None
-             and not hasattr(head.weight, "ds_id"))
-    captured = []
-    hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]) or (args[0][:, :0],)) \
-        if fused else None
+    head, transform, fused, captured, hook = _head_input(model)
     try:
         packed = _packed(model, batch)
         W = batch["input_ids"].shape[1]
@@ -67,6 +63,63 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
         truncated = torch.stack([support_logprobs(_scaled(row, temperature), tokens, *truncation)
                                  for row, tokens in zip(logits, batch["responses"])])  # [B, R]
     return logprob, entropy, truncated
+
+
+def _head_input(model):
+    """-> (head, transform, fused, captured, hook): with `fused`, the hook hands the LM head an empty
+    input and keeps its real one in `captured`, for head_logprobs (see response_logprobs)."""
+    head = _unwrap(model).get_output_embeddings()
+    transform = getattr(_unwrap(model), "head_transform", (1.0, None))    # set by load_models
+    fused = (transform is not None and type(head) is torch.nn.Linear and head.bias is None
+             and not hasattr(head.weight, "ds_id"))
+    captured = []
+    hook = head.register_forward_pre_hook(lambda module, args: captured.append(args[0]) or (args[0][:, :0],)) \
+        if fused else None
+    return head, transform, fused, captured, hook
+
+
+def _sharded_logprobs(model, batch: dict, temperature: float, with_entropy: bool, entropy_grad: bool, truncation):
+    """response_logprobs with the packed row split over the sequence-parallel group
+    (forward/ulysses.py): each rank scores the response positions in its part of the row, and
+    ulysses.combine puts the [B, R] numbers together on every rank of the group."""
+    B, R = batch["responses"].shape
+    packed = packing.pack(batch)
+    part = ulysses.split(packed)
+    index = packed.response_index.reshape(-1)                                     # [B * R] row positions
+    mine = part.mine(index)                                                       # [B * R]
+    tokens = batch["responses"].reshape(-1)[mine]                                 # [n]
+    head, transform, fused, captured, hook = _head_input(model)
+    try:
+        with ulysses.sharded():
+            out = model(**part.model_inputs(), use_cache=False, logits_to_keep=index[mine] - part.start)
+    finally:
+        if hook is not None:
+            hook.remove()
+    _test_oom(batch)
+    truncated = None
+    if fused:
+        hidden = captured[0].reshape(tokens.shape[0], -1)                         # [n, H]
+        logprob, entropy = head_logprobs(hidden, head.weight, tokens, temperature, *transform)
+        if truncation is not None:
+            truncated = truncated_logprobs(hidden, head.weight, tokens, temperature, *truncation, *transform)
+    else:
+        z = _scaled(out.logits[0], temperature)                                   # [n, V]
+        logprob = _token_logprobs(z, tokens)                                      # [n]
+        entropy = z.new_empty(0)
+        if with_entropy:
+            with nullcontext() if entropy_grad else torch.no_grad():
+                entropy = entropy_from_logits(z)                                  # [n]
+        if truncation is not None:
+            with torch.no_grad():
+                truncated = support_logprobs(z, tokens, *truncation)              # [n]
+    logprob = ulysses.combine(logprob, mine).view(B, R)
+    if with_entropy:
+        entropy = ulysses.combine(entropy if entropy_grad else entropy.detach(), mine).view(B, R)
+    else:
+        entropy = None
+    if truncation is None:
+        return logprob, entropy
+    return logprob, entropy, ulysses.combine(truncated, mine).view(B, R)
 
 
 def _test_oom(batch: dict) -> None:

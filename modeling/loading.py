@@ -12,7 +12,7 @@ import torch
 from config import Config, critic_checkpointing
 from core_algos import lr_factor
 from errors import UserError, first_line
-from forward import packing
+from forward import packing, ulysses
 from forward.readouts import _unwrap, head_transform
 from modeling import value_models
 from plumbing import console, lean_imports
@@ -112,6 +112,13 @@ def load_models(cfg: Config):
         capped = model is not None and getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
         if capped and model.config._attn_implementation == "sdpa":
             model.set_attn_implementation("eager")
+    if cfg.ulysses_sequence_parallel_size > 1:
+        for key, model in (("model_path", actor), ("critic_model_path", critic), ("ref_model_path", ref),
+                           ("reward_model_path", reward_model)):
+            why = model is not None and ulysses.unsupported(model, cfg.ulysses_sequence_parallel_size)
+            if why:
+                raise UserError(f"ulysses_sequence_parallel_size={cfg.ulysses_sequence_parallel_size}: "
+                                f"{key if getattr(cfg, key) else 'model_path'} cannot be split: {why}")
     for model in (actor, ref):
         if model is not None:
             transform, why = head_transform(model)

@@ -176,6 +176,9 @@ MAPPING = {
     R + "tensor_model_parallel_size": "rollout_tensor_model_parallel_size",
     R + "log_prob_max_token_len_per_gpu": "log_prob_max_token_len_per_device",
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "log_prob_max_token_len_per_device",
+    A + "ulysses_sequence_parallel_size": "ulysses_sequence_parallel_size",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "ulysses_sequence_parallel_size",
+    "critic.ulysses_sequence_parallel_size": "ulysses_sequence_parallel_size",
     "actor_rollout_ref.model.enable_activation_offload": "activation_offload",
     "critic.model.enable_activation_offload": "activation_offload",
     # critic (shared keys must agree with the actor's: the toolkit has one value for both)
@@ -272,7 +275,6 @@ HINTS = {
     "hydra.*": "Hydra bookkeeping, not a setting",
     "trainer.logger": "the toolkit always writes metrics.jsonl and an MLflow run",
     "*fsdp_config.*": "sharding and offload come from the accelerate config (accelerate_configs/, ds_configs/)",
-    "*ulysses_sequence_parallel_size": "no sequence parallelism",
     "*.lr_warmup_steps_ratio": "set lr_warmup_steps = ratio x total_training_steps",
     "*ppo_micro_batch_size": "verl's global micro-batch: give trainer.n_gpus_per_node (and nnodes) to divide it",
     "*log_prob_micro_batch_size": "verl's global micro-batch: give trainer.n_gpus_per_node (and nnodes) to divide it",

@@ -303,6 +303,8 @@ def test_a_bad_override_is_an_error():
     ("algorithm.pf_ppo.reweight_method=max_random", "pf_ppo_reweight_method", "max_random"),
     ("algorithm.pf_ppo.weight_pow=1.5", "pf_ppo_weight_pow", 1.5),
     ("trainer.total_epochs=15", "total_epochs", 15),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size", 2),
+    ("critic.ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size", 2),
 ])
 def test_each_added_mapping(override, key, value):
     t = v2c.translate(v2c.resolve(v2c.read_verl([], [override])))
@@ -398,3 +400,10 @@ def test_verl_published_ppo_scripts_carry_95_percent_together():
         flat = v2c.resolve(v2c.read_verl([], overrides))
         given, dropped = given + len(flat), dropped + len(v2c.translate(flat).not_carried)
     assert (given - dropped) / given >= 0.95, (given, dropped)
+
+
+def test_ulysses_sizes_must_agree_the_toolkit_has_one():
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], [
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=4"])))
+    assert t.carried["ulysses_sequence_parallel_size"][:2] == (2, "actor_rollout_ref.actor.ulysses_sequence_parallel_size")
+    assert [k for k, _, why in t.not_carried if "conflicts" in why] == ["critic.ulysses_sequence_parallel_size"]

@@ -1,0 +1,152 @@
+"""Ulysses sequence parallelism: one packed row split along its length over a group of ranks.
+
+The ranks of a sequence-parallel (SP) group hold the same micro-batch. Packed into one row [1, T]
+(forward/packing.py), padded to a multiple of the group size n, each rank runs the model on its
+own T / n positions. Everything but attention works position by position; attention goes
+through DeepSpeed's ALST `UlyssesSPAttentionHF`: an all-to-all turns [T / n positions, all heads]
+into [all T positions, heads / n], the packed attention runs per sequence on the whole row (the
+sequence boundaries, cu_seq_lens, are the row's, and DeepSpeed gathers the position ids), and a
+second all-to-all turns it back. The LM head then scores only the response positions that fall in
+the rank's part, and a sum over the group puts the per-token numbers together, each computed by
+exactly one rank, so they equal the unsplit pass's up to float rounding.
+
+    ulysses.setup(2)                         # once, after the process group exists
+    with ulysses.sharded():                  # the packed attention goes through ALST here only
+        out = model(**part.model_inputs())   # part = ulysses.split(packed), this rank's positions
+
+DeepSpeed's own entry point, `UlyssesSPAttentionHF.register_with_transformers` (and Accelerate's
+`ParallelismConfig(sp_backend="deepspeed")`, which calls it on every `prepare`), does not fit a run
+with several engines: it creates the SP groups on every call (the second prepared model stops with
+"sequence parallel group is already initialized") and replaces the attention function for every
+model in the process for good, generation included. So the groups are made once here
+(`parallel_state_sp.initialize_sequence_parallel`), and the packed attention's name dispatches to
+one `UlyssesSPAttentionHF` per architecture only inside `sharded()`.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from forward import packing
+
+_group = None          # this rank's SP process group (DeepSpeed's parallel_state_sp)
+_size = 1
+_rank = 0
+_active = False
+_layers: dict = {}     # (heads, kv heads, head dim, layers) -> UlyssesSPAttentionHF
+
+
+def size() -> int:
+    return _size
+
+
+def setup(sp_size: int) -> None:
+    """Make the SP groups (consecutive ranks, as DeepSpeed lays them out) and route the packed
+    attention through ALST inside sharded(). Idempotent; sp_size 1 does nothing."""
+    global _group, _size, _rank
+    if sp_size == 1 or _group is not None:
+        return
+    import deepspeed
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as mpu
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    mpu.initialize_sequence_parallel(sequence_parallel_size=sp_size)
+    _group, _size, _rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_world_size(), \
+        mpu.get_sequence_parallel_rank()
+    from transformers import AttentionInterface
+    packing.register()
+    AttentionInterface.register(packing.NAME, _attention)
+
+
+def unsupported(model, sp_size: int) -> str | None:
+    """Why `model` cannot run split over sp_size ranks, or None when it can."""
+    config = model.config.get_text_config()
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if heads % sp_size or kv % sp_size:
+        return (f"its {heads} attention heads and {kv} key-value heads must both be divisible by "
+                f"ulysses_sequence_parallel_size={sp_size}")
+    if model.config._attn_implementation != packing.NAME:
+        return (f"its attention is {model.config._attn_implementation!r}; the split rows need the packed SDPA "
+                f"attention ({packing.NAME!r}, what remove_padding gives SDPA models)")
+    return None
+
+
+@contextmanager
+def sharded():
+    """While active, the packed attention runs through DeepSpeed's all-to-all over heads."""
+    global _active
+    from transformers import AttentionInterface
+    AttentionInterface.register(packing.NAME, _attention)   # again: loading a model re-registers packing's own
+    before, _active = _active, True
+    try:
+        with packing.attention():
+            yield
+    finally:
+        _active = before
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    if not _active:
+        return packing.packed_attention(module, query, key, value, attention_mask, **kwargs)
+    return _ulysses(module.config)(module, query, key, value, None, **kwargs)
+
+
+def _ulysses(config):
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    config = config.get_text_config()
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    key = (heads, kv, head_dim, config.num_hidden_layers)
+    if key not in _layers:
+        # batch 1: a packed row; variable length: every micro-batch has its own
+        _layers[key] = UlyssesSPAttentionHF(packing.packed_attention, batch_size=1, attn_head_count=heads,
+                                            attn_head_size=head_dim, kv_head_count=kv,
+                                            num_hidden_layers=config.num_hidden_layers, process_group=_group,
+                                            seq_length_is_variable=True)
+    return _layers[key]
+
+
+class Part:
+    """This rank's positions [start, start + length) of a packed row padded to a multiple of the
+    group size; the attention sees the whole padded row's sequence boundaries."""
+
+    def __init__(self, packed: packing.Packed, sp_size: int, sp_rank: int):
+        T = packed.input_ids.shape[1]
+        pad = -T % sp_size
+        ids, positions, cu = packed.input_ids, packed.position_ids, packed.cu_seqlens
+        if pad:   # one more sequence of `pad` tokens, attending only to itself; its outputs are never read
+            ids = torch.cat([ids, ids.new_zeros(1, pad)], dim=1)                            # [1, T + pad]
+            positions = torch.cat([positions, torch.arange(pad, device=ids.device)[None]], dim=1)
+            cu = torch.cat([cu, cu.new_tensor([T + pad])])                                 # [B + 2]
+        self.length = (T + pad) // sp_size
+        self.start = sp_rank * self.length
+        self.input_ids = ids[:, self.start:self.start + self.length]                       # [1, L]
+        self.position_ids = positions[:, self.start:self.start + self.length]              # [1, L]
+        self.cu_seqlens = cu
+
+    def model_inputs(self) -> dict:
+        longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
+                "cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
+                "max_length_q": longest, "max_length_k": longest}
+
+    def mine(self, index: torch.Tensor) -> torch.Tensor:
+        """index [...] of row positions -> bool [...]: those this rank computes."""
+        return (index >= self.start) & (index < self.start + self.length)
+
+
+def split(packed: packing.Packed) -> Part:
+    return Part(packed, _size, _rank)
+
+
+def combine(values: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """values [n] computed where mine [N] is True -> [N] over the whole group: each position is
+    one rank's, the others add zeros, so the sum is that rank's number exactly. Differentiable
+    (its backward sums the gradients over the group, each rank keeping its own positions')."""
+    full = values.new_zeros(mine.shape).masked_scatter(mine, values)                      # [N]
+    if torch.is_grad_enabled() and full.requires_grad:
+        import torch.distributed.nn.functional as dist_nn
+        return dist_nn.all_reduce(full, group=_group)
+    torch.distributed.all_reduce(full, group=_group)
+    return full
