@@ -2,6 +2,7 @@
 only its own layer or lower, nothing imports train_ppo.py (it runs as __main__), and our modules
 import no cycle. Read from the source with ast, without importing anything."""
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,10 @@ def imports(path: Path, module: str) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
-    files = [p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+    # the repository's files, tracked or new, not what .gitignore keeps out (runs/, virtual environments, ...)
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()
+    files = [ROOT / p for p in listed if (ROOT / p).is_file()]
     return {module_name(p): imports(p, module_name(p)) for p in files}
 
 
