@@ -7,8 +7,9 @@ What it does, in order:
   1. builds the assets if missing: scripts/make_w1.py -> runs/w1_assets, scripts/make_w3.py -> runs/w3_assets;
   2. makes the peer's virtual environment if missing (--peer_venv, default runs/trl_peer_venv):
      `python -m venv --system-site-packages`, then `pip install trl==1.12.0 --no-deps` into it (its other
-     requirements, accelerate, datasets, transformers, jinja2 and packaging, come from this Python's
-     packages). The project's own environment and requirements are not touched;
+     requirements, accelerate, transformers, jinja2 and packaging, come from this Python's packages;
+     `datasets`, which the project does not use, is installed into the venv if missing). The project's
+     own environment and requirements are not touched;
   3. measures the import baseline of each side: the peak RSS of a process that only imports what that
      side's run imports (train_ppo with the stack it imports lazily: transformers, accelerate, mlflow,
      pandas, ...; trl.experimental.ppo with datasets, transformers, ... in the venv), lowest of 2 tries;
@@ -112,6 +113,11 @@ def ensure_peer_venv(venv: Path) -> Path:
         log(f"peer: installing trl=={PEER_TRL} into {venv} (found {have or 'none'})")
         subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
                         f"trl=={PEER_TRL}", "--no-deps"], check=True)
+    # the peer needs `datasets`, which the project does not: into the venv only, with its own deps
+    if subprocess.run([str(python), "-c", "import datasets"], capture_output=True).returncode != 0:
+        log(f"peer: installing datasets into {venv} (TRL's PPO trainer imports it)")
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "datasets"],
+                       check=True)
     check = subprocess.run([str(python), "-c", PEER_IMPORTS + "; import trl; print(trl.__version__)"],
                            capture_output=True, text=True, cwd=ROOT)
     if check.returncode != 0 or check.stdout.strip().splitlines()[-1:] != [PEER_TRL]:
