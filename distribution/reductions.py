@@ -7,22 +7,22 @@ import zlib
 import torch
 
 
-def max_over_ranks(accelerator):
-    """count -> the largest count of any rank; a collective, so every rank calls it together."""
+def _over_ranks(accelerator, pick):
     def agree(count: int) -> int:
         if accelerator.num_processes == 1:
             return count
-        return int(accelerator.gather(torch.tensor([count], device=accelerator.device)).max())
+        return int(pick(accelerator.gather(torch.tensor([count], device=accelerator.device))))
     return agree
+
+
+def max_over_ranks(accelerator):
+    """count -> the largest count of any rank; a collective, so every rank calls it together."""
+    return _over_ranks(accelerator, torch.max)
 
 
 def min_over_ranks(accelerator):
     """count -> the smallest count of any rank; a collective, so every rank calls it together."""
-    def agree(count: int) -> int:
-        if accelerator.num_processes == 1:
-            return count
-        return int(accelerator.gather(torch.tensor([count], device=accelerator.device)).min())
-    return agree
+    return _over_ranks(accelerator, torch.min)
 
 
 def any_over_ranks(accelerator):
