@@ -105,13 +105,31 @@ class NoStep:
 
 # --- a tokenizer with Qwen2.5's chat template, built offline -----------------------------------------
 
-def qwen_style_tokenizer(template="qwen2_5.jinja"):
-    """Byte-level BPE without merges (one token per byte) plus Qwen2.5's special tokens."""
+def _byte_level():
+    """Byte-level BPE without merges: one token per byte."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    return tok
+
+
+def llama3_style_tokenizer():
+    """Byte-level plus Llama 3.1 Instruct's special tokens (EOS = <|eot_id|>, its end of turn) and chat
+    template, as Meta's tokenizer_config.json has it: tools in the first user message, tool results as
+    "ipython" turns."""
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_byte_level(), bos_token="<|begin_of_text|>",
+                                        eos_token="<|eot_id|>", pad_token="<|finetune_right_pad_id|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>",
+                                                                "<|eom_id|>", "<|python_tag|>"]})
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = (TEMPLATES / "llama3_1.jinja").read_text()
+    return tokenizer
+
+
+def qwen_style_tokenizer(template="qwen2_5.jinja"):
+    """Byte-level plus Qwen2.5's special tokens."""
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_byte_level(), eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tokenizer.add_tokens(["<tool_call>", "</tool_call>"])   # added, not special: decoded into the text
     tokenizer.chat_template = (TEMPLATES / template).read_text()
@@ -306,6 +324,34 @@ def test_parse_malformed_calls(text, words):
 def test_qwen_template_passes_the_prefix_check(tokenizer, calc_tools):
     check_template(ChatFormat(tokenizer, calc_tools.schemas))
     check_template(ChatFormat(tokenizer))
+
+
+def test_llama3_template_passes_the_prefix_check(calc_tools):
+    check_template(ChatFormat(llama3_style_tokenizer(), calc_tools.schemas))
+    check_template(ChatFormat(llama3_style_tokenizer()))
+
+
+@pytest.mark.parametrize("make_tokenizer, observation", [
+    (qwen_style_tokenizer, "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+    # Llama 3.1's template writes a tool's text through tojson (a string is "iterable" to Jinja): quoted
+    (llama3_style_tokenizer, '<|start_header_id|>ipython<|end_header_id|>\n\n"42"<|eot_id|>'
+                             '<|start_header_id|>assistant<|end_header_id|>\n\n'),
+])
+def test_multiturn_trajectory_is_the_rendering_under_both_families(make_tokenizer, observation, calc_tools):
+    """ChatML (Qwen2.5) and Llama 3.1: the loop's ids, turn by turn, are the template's rendering of the
+    conversation; the observation is exactly what the template puts between two assistant turns."""
+    tokenizer = make_tokenizer()
+    replies = [[call_text("calculator", {"expression": "6*7"}), "It is 42."], ["No tools."]]
+    chat, _, trajs = scripted_run(tokenizer, calc_tools, replies)
+    for t in trajs:
+        full = chat.render(t.messages, add_generation_prompt=False)   # ChatML adds a newline after the last EOS
+        assert t.prompt_ids + t.response_ids == full[:len(t.prompt_ids) + len(t.response_ids)]
+        assert t.response_ids[-1] == tokenizer.eos_token_id and len(full) - len(t.prompt_ids + t.response_ids) <= 1
+        assert len(t.mask) == len(t.logprobs) == len(t.response_ids) and t.stop_reason == "done"
+    t = trajs[0]
+    first_end = t.mask.index(0)
+    tool_part = t.response_ids[first_end:t.mask.index(1, first_end)]
+    assert tokenizer.decode(tool_part) == observation
 
 
 def test_template_that_rewrites_earlier_turns_is_refused():

@@ -16,6 +16,7 @@ import torch
 
 from config import Config
 from mlflow_store import sqlite_uri
+from plumbing.oom import OomReaction, base_sizes
 from rollout import SamplingParams
 from rollout.hf import HFEngine
 from rollout.tools import ToolSet
@@ -93,6 +94,46 @@ def test_pad_equal_to_eos_keeps_whole_trajectories(rolled_out, model_dir):
     assert 0 < batch["response_mask"][0].sum() < len(first.response_ids)   # tool tokens are left out
 
 
+def test_batch_masks_have_each_trajectorys_length():
+    """What the losses see (ToolRolloutOutput.batch): each row's response_mask is the trajectory's mask
+    over exactly its tokens and 0 after, when a failed call's error observation overflows the budget
+    mid-output, when the model is cut mid-turn, and after failed and malformed calls."""
+    from test_tools import HERE, ScriptedEngine, call_text
+    tokenizer = qwen_style_tokenizer()
+    replies = [[call_text("explode", {"x": "y"}) + '<tool_call>{"name": 1}</tool_call>', "Sorry."],  # two failed calls
+               ["x" * 240 + call_text("nope", {}), "never"],       # unknown tool: its error overflows the budget
+               ["thinking " * 40 + "..."],                          # cut mid-turn, no EOS
+               ["Short."]]
+    budget = 320
+    cfg = tool_config(tools=f"{CALC},{HERE}:explode", max_response_length=budget, max_prompt_length=2048)
+    tools = ToolRollouts(cfg, tokenizer)
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(replies))]
+    from prompts.sets import PromptSet
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+    engine = ScriptedEngine(tokenizer, replies)
+    engine.rows = [tools.chat.prompt_ids(m) for m in prompts]
+    out = tools.generate(engine, PromptSet(texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts],
+                                           {}, [{"prompt": m} for m in prompts]), SamplingParams(temperature=1.0))
+    trajectories = out.trajectories
+    assert [t.stop_reason for t in trajectories] == ["done", "length", "length", "done"]
+    assert [(t.tool_calls, t.tool_errors) for t in trajectories] == [(2, 2), (1, 1), (0, 0), (0, 0)]
+    overflow = trajectories[1]
+    assert len(overflow.response_ids) == budget and overflow.mask[-1] == 0             # cut inside the observation
+    assert "error: unknown tool" in tokenizer.decode(overflow.response_ids)
+    assert len(trajectories[2].response_ids) == budget and all(trajectories[2].mask)    # cut inside the model's turn
+    batch = out.batch(tokenizer.pad_token_id)
+    R = batch["responses"].shape[1]
+    assert R == budget
+    for row, t in enumerate(trajectories):
+        n = len(t.response_ids)
+        assert len(t.mask) == len(t.logprobs) == n
+        assert batch["attention_mask"][row, -R:].sum() == n
+        assert batch["responses"][row, :n].tolist() == t.response_ids
+        assert batch["response_mask"][row].tolist() == [float(m) for m in t.mask] + [0.0] * (R - n)
+        assert out.logprobs[row] == t.logprobs and len(out.logprobs[row]) == n
+    assert out.truncated.tolist() == [False, True, True, False]
+
+
 def _actor_update(model, batch, cfg):
     """One real update_actor pass (policy loss, KL loss, entropy bonus) -> the gradient of every parameter."""
     from accelerate import Accelerator
@@ -107,8 +148,30 @@ def _actor_update(model, batch, cfg):
         grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         return original_step(*a, **k)
     optim.step = keep_grads
-    train_ppo.update_actor(Accelerator(cpu=True), model, optim, batch, cfg, nullcontext, False,
-                           temperature=1.0, entropy_coeff=0.01)
+    accelerator = Accelerator(cpu=True)
+    train_ppo.update_actor(accelerator, model, optim, batch, cfg, nullcontext, False, temperature=1.0,
+                           entropy_coeff=0.01, oom=OomReaction(accelerator, base_sizes(cfg), cfg.max_oom_retries),
+                           max_grad_norm=cfg.max_grad_norm)
+    return grads
+
+
+def _critic_update(critic, batch, cfg):
+    """One real update_critic pass (the value loss, clipped) -> the gradient of every parameter."""
+    from accelerate import Accelerator
+    from contextlib import nullcontext
+    import train_ppo
+    critic = copy.deepcopy(critic).train()
+    grads = {}
+    optim = torch.optim.SGD(critic.parameters(), lr=0.0)
+    original_step = optim.step
+
+    def keep_grads(*a, **k):
+        grads.update({n: p.grad.clone() for n, p in critic.named_parameters() if p.grad is not None})
+        return original_step(*a, **k)
+    optim.step = keep_grads
+    accelerator = Accelerator(cpu=True)
+    train_ppo.update_critic(accelerator, critic, optim, batch, cfg, nullcontext, False,
+                            oom=OomReaction(accelerator, base_sizes(cfg), cfg.max_oom_retries))
     return grads
 
 
@@ -138,6 +201,37 @@ def test_tool_tokens_get_no_gradient_in_the_update(rolled_out, model_dir):
     model_token = torch.zeros_like(tool_tokens)
     model_token[0, 0] = True
     at_model = _actor_update(model, spoiled(model_token), cfg)
+    assert any(not torch.equal(clean[n], at_model[n]) for n in clean)
+
+
+@pytest.mark.slow
+def test_tool_tokens_get_no_gradient_in_the_critic_update(rolled_out, model_dir):
+    """The real update_critic (value loss with value clipping) on the critic as phase 5 trains it (the
+    actor's weights with a value head): garbage returns and old values at tool tokens change no
+    gradient; the same garbage at one model token does."""
+    from modeling.value_models import load_value_model
+    cfg, out, batch = rolled_out
+    cfg = tool_config(cliprange_value=0.2, critic_max_grad_norm=1e9)
+    critic, _ = load_value_model(str(model_dir[0]), dtype=torch.float32)
+    critic.config.pad_token_id = model_dir[3].pad_token_id
+    R = batch["responses"].shape[1]
+    torch.manual_seed(3)
+    batch = {**batch, "returns": torch.randn(2, R), "values": torch.randn(2, R)}
+    tool_tokens = (batch["response_mask"] == 0) & (batch["attention_mask"][:, -R:] == 1)            # [2, R]
+    assert tool_tokens.sum() > 10
+
+    def spoiled(where):
+        b = {k: v.clone() for k, v in batch.items()}
+        for key in ("returns", "values"):
+            b[key][where] = 1e3
+        return b
+
+    clean = _critic_update(critic, batch, cfg)
+    at_tools = _critic_update(critic, spoiled(tool_tokens), cfg)
+    assert clean and all(torch.equal(clean[n], at_tools[n]) for n in clean)
+    model_token = torch.zeros_like(tool_tokens)
+    model_token[0, 0] = True
+    at_model = _critic_update(critic, spoiled(model_token), cfg)
     assert any(not torch.equal(clean[n], at_model[n]) for n in clean)
 
 
