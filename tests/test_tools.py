@@ -612,12 +612,12 @@ def memorised(tokenizer, calc_tools):
     return memorise(tokenizer, calc_tools)
 
 
-def memorise(tokenizer, calc_tools):
+def memorise(tokenizer, calc_tools, conversations=MEMORISED):
     """A tiny Qwen2 (head_dim 32, which vLLM's CPU attention supports) trained until it reproduces MEMORISED's assistant turns (every model token at
     probability > 0.9), and each conversation's token ids as the template renders them."""
     chat = ChatFormat(tokenizer, calc_tools.schemas)
     rows = []
-    for question, turns in MEMORISED:
+    for question, turns in conversations:
         messages = [{"role": "user", "content": question}]
         ids, model = chat.prompt_ids(messages), []
         for k, reply in enumerate(turns):

@@ -21,7 +21,7 @@ from rollout import SamplingParams
 from rollout.hf import HFEngine
 from rollout.tools import ToolSet
 from rollout.tools.rollouts import ToolRollouts
-from test_tools import CALC, MEMORISED, memorise, qwen_style_tokenizer
+from test_tools import CALC, MEMORISED, call_text, memorise, qwen_style_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
@@ -344,3 +344,63 @@ def test_final_answer_score_reads_the_last_assistant_turn():
         [user, call, tool, {"role": "assistant", "content": "It is 1785."}],
         [user, call],                 # ended on a call (max_turns): no answer
         [user, call, tool]]) == [1.0, 0.0, 0.0, 0.0]
+
+
+# --- runaway code and kills, with the python executor ---------------------------------------------
+
+PYTHON = "rollout.tools.builtin:python"
+RUNAWAY = [("Hang.", [call_text("python", {"code": "import time\ntime.sleep(3600)"})]),
+           ("Flood.", [call_text("python", {"code": "while True:\n    print('x' * 1000)"})]),
+           ("Grow.", [call_text("python", {"code": "x = []\nwhile True:\n    x.append(bytearray(2**24))"})])]
+
+
+@pytest.fixture(scope="module")
+def runaway_dir(tmp_path_factory):
+    """A tiny Qwen2 that memorised one python call per prompt: code that sleeps forever, prints without
+    end, or allocates without bound (what comes after the tool's answer it never learnt)."""
+    tokenizer = qwen_style_tokenizer()
+    _, model, _ = memorise(tokenizer, ToolSet.from_specs([PYTHON]), RUNAWAY)
+    path = tmp_path_factory.mktemp("runaway_model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    data = path / "prompts.jsonl"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": q}] for q, _ in RUNAWAY]}).to_json(
+        data, orient="records", lines=True)
+    return path, data
+
+
+def runaway_args(model_path, data, out, *extra):
+    return [f"--model_path={model_path}", f"--train_files={data}", f"--output_dir={out}", f"--tools={PYTHON}",
+            f"--reward_fn={REWARD}", "--max_prompt_length=1024", "--max_response_length=512", "--max_turns=2",
+            "--tool_timeout_s=3", "--train_batch_size=3", "--rollout_n=1", "--ppo_mini_batch_size=3",
+            "--ppo_micro_batch_size_per_device=3", "--ppo_epochs=1", "--val_before_train=false", f"--val_files={data}",
+            "--actor_lr=1e-5", "--critic_lr=1e-5", "--mlflow_log_model=false", *extra]
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_runaway_tool_code_is_stopped_and_the_run_goes_on(runaway_dir, tmp_path):
+    """train_ppo.py with the python tool and a model that writes a hang, a flood of output and an
+    unbounded allocation: each is stopped (wall clock, output and memory limits), read by the model as
+    an error, counted in tools/error_rate, and the run finishes its steps."""
+    model_path, data = runaway_dir
+    env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(SCRIPT), *runaway_args(model_path, data, tmp_path / "out"),
+                           "--total_training_steps=2", "--test_freq=2", "--temperature=0.1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    records = _records(tmp_path / "out")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["tools/calls_per_sample"] >= 1 and r["tools/error_rate"] > 0, r
+        assert all(math.isfinite(v) for v in r.values())
+    # what the model read, from the validation samples the run logged to MLflow: the hang killed on
+    # the clock, the allocation stopped by the memory limit (the flood's message lies past the 512
+    # tokens, after 8 KB of its own output: its exit status is what fits)
+    (table,) = [json.loads(p.read_text()) for p in tmp_path.rglob("samples/step_000002.json")]
+    text = "".join(row[table["columns"].index("response")] for row in table["data"])
+    for words in ("timed out after 3 s and was killed", "MemoryError", "exit status 1\nxxxxxxxx"):
+        assert words in text, f"no {words!r} in the run's samples"
