@@ -404,3 +404,44 @@ def test_runaway_tool_code_is_stopped_and_the_run_goes_on(runaway_dir, tmp_path)
     text = "".join(row[table["columns"].index("response")] for row in table["data"])
     for words in ("timed out after 3 s and was killed", "MemoryError", "exit status 1\nxxxxxxxx"):
         assert words in text, f"no {words!r} in the run's samples"
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_with_tools_matches_the_uninterrupted_run(runaway_dir, tmp_path):
+    """tests/test_resume.py's kill, with the python tool: sampled at temperature 0.7 (the trajectories
+    vary and depend on the restored RNG), the tool's outputs (errors included) are deterministic given
+    the code, so the resumed run logs the uninterrupted run's numbers, step for step, exactly."""
+    import random
+    import signal
+    import time
+    model_path, data = runaway_dir
+    extra = ["--total_training_steps=4", "--save_freq=1", "--save_total_limit=2", "--test_freq=-1",
+             "--temperature=0.7"]
+
+    def command(out):
+        return [sys.executable, str(SCRIPT), *runaway_args(model_path, data, out, *extra)]
+
+    def comparable(out):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in _records(out)]
+
+    env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
+    reference = subprocess.run(command(tmp_path / "ref"), cwd=tmp_path, env=env, capture_output=True, text=True,
+                               timeout=900)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    out = tmp_path / "out"
+    proc = subprocess.Popen(command(out), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while (not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 2) \
+            and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.Random(os.getpid()).uniform(0, 1.5))   # somewhere in step 3: rollout, tools or update
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before the kill"
+    resumed = subprocess.run(command(out), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    got, want = comparable(out), comparable(tmp_path / "ref")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert any(r["tools/error_rate"] > 0 for r in want)
+    assert got == want
