@@ -177,6 +177,9 @@ class Config:
     tool_timeout_s: float = opt(30.0, "tools: wall-clock limit of one tool call (the python tool's too); past it "
                                       "the call is an error observation")
     tool_workers: int = opt(8, "tools/environment: tool calls (environment steps) run concurrently in this many threads")
+    tool_overlap: bool = opt(True, "tools/environment: two halves of the trajectories take turns at the engine, so one "
+                                   "half's tool calls run while the other half generates (twice the generate calls: "
+                                   "pays off when tool calls take about as long as a turn's generation)")
     tool_call_bonus: float = opt(0.0, "tools/environment: added to the training score of a trajectory with at least "
                                       "one tool call that did not fail (not to reward/* metrics or validation)")
     # optimisation

@@ -7,8 +7,10 @@ a few tool-use conversations (slow), and through ScriptedEngine, an implementati
 protocol defined here that replays fixed replies, for the paths a memorised model cannot be made
 to walk cheaply (budgets cut mid-observation, malformed calls, filler passes).
 """
+import itertools
 import math
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from rollout import RolloutOutput, SamplingParams
 from rollout.tools import (ChatFormat, MalformedCall, PythonLimits, ToolCall, ToolEnvironment, ToolError,
                            ToolSet, calculator, check_template, load_environment, load_tool, parse_tool_calls,
                            run_multiturn, run_python, tool_metrics)
+from rollout.tools.builtin import calculator as builtin_calculator
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 CALC = "rollout.tools.builtin:calculator"
@@ -102,13 +105,31 @@ class NoStep:
 
 # --- a tokenizer with Qwen2.5's chat template, built offline -----------------------------------------
 
-def qwen_style_tokenizer(template="qwen2_5.jinja"):
-    """Byte-level BPE without merges (one token per byte) plus Qwen2.5's special tokens."""
+def _byte_level():
+    """Byte-level BPE without merges: one token per byte."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    return tok
+
+
+def llama3_style_tokenizer():
+    """Byte-level plus Llama 3.1 Instruct's special tokens (EOS = <|eot_id|>, its end of turn) and chat
+    template, as Meta's tokenizer_config.json has it: tools in the first user message, tool results as
+    "ipython" turns."""
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_byte_level(), bos_token="<|begin_of_text|>",
+                                        eos_token="<|eot_id|>", pad_token="<|finetune_right_pad_id|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>",
+                                                                "<|eom_id|>", "<|python_tag|>"]})
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = (TEMPLATES / "llama3_1.jinja").read_text()
+    return tokenizer
+
+
+def qwen_style_tokenizer(template="qwen2_5.jinja"):
+    """Byte-level plus Qwen2.5's special tokens."""
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_byte_level(), eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tokenizer.add_tokens(["<tool_call>", "</tool_call>"])   # added, not special: decoded into the text
     tokenizer.chat_template = (TEMPLATES / template).read_text()
@@ -305,6 +326,34 @@ def test_qwen_template_passes_the_prefix_check(tokenizer, calc_tools):
     check_template(ChatFormat(tokenizer))
 
 
+def test_llama3_template_passes_the_prefix_check(calc_tools):
+    check_template(ChatFormat(llama3_style_tokenizer(), calc_tools.schemas))
+    check_template(ChatFormat(llama3_style_tokenizer()))
+
+
+@pytest.mark.parametrize("make_tokenizer, observation", [
+    (qwen_style_tokenizer, "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+    # Llama 3.1's template writes a tool's text through tojson (a string is "iterable" to Jinja): quoted
+    (llama3_style_tokenizer, '<|start_header_id|>ipython<|end_header_id|>\n\n"42"<|eot_id|>'
+                             '<|start_header_id|>assistant<|end_header_id|>\n\n'),
+])
+def test_multiturn_trajectory_is_the_rendering_under_both_families(make_tokenizer, observation, calc_tools):
+    """ChatML (Qwen2.5) and Llama 3.1: the loop's ids, turn by turn, are the template's rendering of the
+    conversation; the observation is exactly what the template puts between two assistant turns."""
+    tokenizer = make_tokenizer()
+    replies = [[call_text("calculator", {"expression": "6*7"}), "It is 42."], ["No tools."]]
+    chat, _, trajs = scripted_run(tokenizer, calc_tools, replies)
+    for t in trajs:
+        full = chat.render(t.messages, add_generation_prompt=False)   # ChatML adds a newline after the last EOS
+        assert t.prompt_ids + t.response_ids == full[:len(t.prompt_ids) + len(t.response_ids)]
+        assert t.response_ids[-1] == tokenizer.eos_token_id and len(full) - len(t.prompt_ids + t.response_ids) <= 1
+        assert len(t.mask) == len(t.logprobs) == len(t.response_ids) and t.stop_reason == "done"
+    t = trajs[0]
+    first_end = t.mask.index(0)
+    tool_part = t.response_ids[first_end:t.mask.index(1, first_end)]
+    assert tokenizer.decode(tool_part) == observation
+
+
 def test_template_that_rewrites_earlier_turns_is_refused():
     with pytest.raises(UserError) as e:
         check_template(ChatFormat(qwen_style_tokenizer("chatml_strips_reasoning.jinja")))
@@ -375,17 +424,19 @@ def scripted_run(tokenizer, tools, replies, max_response_length=10_000, max_turn
     return chat, engine, trajectories
 
 
-def test_loop_feeds_the_trajectory_and_counts_calls(tokenizer, calc_tools):
+@pytest.mark.parametrize("overlap, passes", [(False, [3, 2, 1]), (True, [2, 1, 2, 1])])
+def test_loop_feeds_the_trajectory_and_counts_calls(tokenizer, calc_tools, overlap, passes):
+    """With overlap the even and odd trajectories take turns at the engine: the same trajectories."""
     replies = [
         [call_text("calculator", {"expression": "6*7"}) + call_text("explode", {"x": "y"}), "It is 42."],
         ["No tools needed."],
         ['<tool_call>{"name": "calculator"}</tool_call>', call_text("calculator", {"expression": "1/0"}), "Undefined."],
     ]
-    chat, engine, trajs = scripted_run(tokenizer, calc_tools, replies)
+    chat, engine, trajs = scripted_run(tokenizer, calc_tools, replies, overlap=overlap)
     assert [t.stop_reason for t in trajs] == ["done", "done", "done"]
     assert [(t.turns, t.tool_calls, t.tool_errors) for t in trajs] == [(2, 2, 1), (1, 0, 0), (3, 2, 2)]
     # every id fed to the engine is the trajectory so far; finished rows are not generated again
-    assert [len(prompts) for prompts, _ in engine.calls] == [3, 2, 1]
+    assert [len(prompts) for prompts, _ in engine.calls] == passes
     fed = {tuple(p) for prompts, _ in engine.calls for p in prompts}
     for t in trajs:
         model_ends = [i + 1 for i in range(len(t.mask)) if t.mask[i] == 1 and (i + 1 == len(t.mask) or t.mask[i + 1] == 0)]
@@ -425,13 +476,14 @@ def test_loop_token_budget_counts_tool_tokens(tokenizer, calc_tools, cut):
     assert t.tool_calls == (0 if cut == "mid_generation" else 1)
 
 
-def test_loop_max_turns_and_no_stop(tokenizer, calc_tools):
+@pytest.mark.parametrize("overlap, passes", [(False, 2), (True, 3)])
+def test_loop_max_turns_and_no_stop(tokenizer, calc_tools, overlap, passes):
     call = call_text("calculator", {"expression": "1+1"})
-    _, engine, (t, u) = scripted_run(tokenizer, calc_tools, [[call] * 5, ["thinking..."]], max_turns=2)
+    _, engine, (t, u) = scripted_run(tokenizer, calc_tools, [[call] * 5, ["thinking..."]], max_turns=2, overlap=overlap)
     assert (t.turns, t.tool_calls, t.stop_reason) == (2, 2, "max_turns")
     assert t.response_ids[-1] == tokenizer.eos_token_id and t.mask[-1] == 1   # no observation after the last turn
     assert (u.turns, u.stop_reason, u.mask) == (1, "no_stop", [1] * len(u.response_ids))
-    assert len(engine.calls) == 2
+    assert len(engine.calls) == passes
 
 
 def test_loop_runs_an_environment(tokenizer, calc_tools):
@@ -443,13 +495,110 @@ def test_loop_runs_an_environment(tokenizer, calc_tools):
     assert "<tool_response>\n1 left\n</tool_response>" in tokenizer.decode(t.response_ids)
 
 
-def test_loop_filler_passes_keep_ranks_in_step(tokenizer, calc_tools):
-    """A rank whose trajectories finished keeps calling generate while another rank's go on."""
+@pytest.mark.parametrize("overlap, passes", [(False, 4), (True, 5)])
+def test_loop_filler_passes_keep_ranks_in_step(tokenizer, calc_tools, overlap, passes):
+    """A rank whose trajectories finished keeps calling generate while another rank's go on; with
+    overlap, the odd half's pass (empty here) is a filler pass too."""
     others = iter([True, True, True, False])     # what the other ranks report after each local pass
-    _, engine, (t,) = scripted_run(tokenizer, calc_tools, [["done at once"]],
+    _, engine, (t,) = scripted_run(tokenizer, calc_tools, [["done at once"]], overlap=overlap,
                                    any_active=lambda local: local or next(others))
-    assert t.stop_reason == "done" and len(engine.calls) == 4
+    assert t.stop_reason == "done" and len(engine.calls) == passes
     assert all(len(p) == 1 and len(p[0]) == 1 and params.max_tokens == 1 for p, params in engine.calls[1:])
+
+
+class Timeline:
+    """The order of events, under one lock: generate calls starting and ending (recorded by the engine,
+    on the loop's thread) and tool calls starting and ending (recorded by the tool itself, in its pool
+    thread). A tool call starts after the generate call that wrote it ended; each one then waits, up to
+    wait_s, until a generate call is running or starts: with overlap one does (the other half's pass,
+    which does not wait for this call) and releases it; without, the loop waits for the call instead,
+    and it ends at the timeout."""
+
+    def __init__(self, wait_s: float):
+        self.events, self.cond, self.wait_s, self.ids = [], threading.Condition(), wait_s, itertools.count()
+        self.written = 0                    # tool calls in the replies generated so far
+
+    def _record(self, kind, call=None):
+        with self.cond:
+            self.events.append((kind, call))
+            self.cond.notify_all()
+
+    def generate(self, generate, prompts, params, decode):
+        """engine.generate, recorded. It first waits (up to wait_s) until every tool call written by the
+        earlier passes has started: with overlap they are in the pool by now, and a fast engine would
+        otherwise be done before a pool thread gets going; without, they have all ended already."""
+        with self.cond:
+            self.cond.wait_for(lambda: self._count("tool_start") >= self.written, timeout=self.wait_s)
+        self._record("generate_start")
+        try:
+            out = generate(prompts, params)
+        finally:
+            self._record("generate_end")
+        self.written += sum(decode(r).count("<tool_call>") for r in out.responses)
+        return out
+
+    def _count(self, kind):
+        return sum(k == kind for k, _ in self.events)
+
+    def tool(self):
+        timeline = self
+
+        def calculator(expression: str) -> str:
+            with timeline.cond:
+                call = next(timeline.ids)
+                timeline.events.append(("tool_start", call))
+                timeline.cond.notify_all()
+                ended = timeline._count("generate_end")    # the generate call that wrote this one is among them
+                timeline.cond.wait_for(lambda: timeline._count("generate_start") > ended, timeout=timeline.wait_s)
+                timeline.events.append(("tool_end", call))
+            return builtin_calculator(expression)
+        calculator.__doc__ = builtin_calculator.__doc__    # the same schema: what the memorised model was shown
+        return calculator
+
+    def overlapped_calls(self) -> set:
+        """The tool calls during which the engine was generating (a call running at its start or started before its end)."""
+        in_flight, overlapped, generating = set(), set(), False
+        for kind, call in self.events:
+            if kind == "tool_start":
+                in_flight.add(call)
+                if generating:
+                    overlapped.add(call)
+            elif kind == "tool_end":
+                in_flight.discard(call)
+            else:
+                generating = kind == "generate_start"
+                overlapped |= in_flight if generating else set()
+        return overlapped
+
+    def tool_calls(self) -> int:
+        return self._count("tool_start")
+
+
+class TimedScriptedEngine(ScriptedEngine):
+    def generate(self, prompts, params):
+        return self.timeline.generate(super().generate, prompts, params, self.tokenizer.decode)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_loop_overlaps_tool_calls_with_generation(tokenizer, overlap):
+    """With overlap, every tool call is still running when the engine starts generating for the other
+    half (structural: the events' order, not a duration); without, no generate call starts while a
+    tool call runs. The trajectories are the same either way."""
+    timeline = Timeline(wait_s=30 if overlap else 0.05)
+    tools = ToolSet([timeline.tool()])
+    replies = [[call_text("calculator", {"expression": f"{i}*7"}), f"It is {i * 7}."] for i in range(4)]
+    chat = ChatFormat(tokenizer, tools.schemas)
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(4)]
+    engine = TimedScriptedEngine(tokenizer, replies)
+    engine.rows, engine.timeline = [chat.prompt_ids(p) for p in prompts], timeline
+    trajectories = run_multiturn(engine, chat, prompts, [ToolEnvironment(tools) for _ in prompts],
+                                 SamplingParams(temperature=1.0), 10_000, 4, overlap=overlap, tool_workers=4)
+    assert timeline.tool_calls() == 4
+    assert timeline.overlapped_calls() == ({0, 1, 2, 3} if overlap else set())
+    for i, t in enumerate(trajectories):
+        assert (t.turns, t.tool_calls, t.tool_errors, t.stop_reason) == (2, 1, 0, "done")
+        assert t.prompt_ids + t.response_ids == chat.render(t.messages, add_generation_prompt=False)[:len(t.prompt_ids) + len(t.response_ids)]
+        assert f"<tool_response>\n{i * 7}\n</tool_response>" in tokenizer.decode(t.response_ids)
 
 
 # --- the loop through the real hf engine on a tiny Qwen2 --------------------------------------------
@@ -463,12 +612,12 @@ def memorised(tokenizer, calc_tools):
     return memorise(tokenizer, calc_tools)
 
 
-def memorise(tokenizer, calc_tools):
+def memorise(tokenizer, calc_tools, conversations=MEMORISED):
     """A tiny Qwen2 (head_dim 32, which vLLM's CPU attention supports) trained until it reproduces MEMORISED's assistant turns (every model token at
     probability > 0.9), and each conversation's token ids as the template renders them."""
     chat = ChatFormat(tokenizer, calc_tools.schemas)
     rows = []
-    for question, turns in MEMORISED:
+    for question, turns in conversations:
         messages = [{"role": "user", "content": question}]
         ids, model = chat.prompt_ids(messages), []
         for k, reply in enumerate(turns):
@@ -549,3 +698,33 @@ def test_hf_engine_budget_and_turn_limits(memorised, calc_tools):
     assert cut[1].stop_reason == "done"                       # the short one is untouched
     one_turn = hf_run(memorised, calc_tools, max_turns=1)
     assert (one_turn[0].turns, one_turn[0].stop_reason, len(one_turn[0].response_ids)) == (1, "max_turns", first_turn)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hf_engine_overlaps_tool_calls(memorised, overlap):
+    """The real hf engine: with overlap, each calculator call is running while the engine generates for
+    the other half; the trajectories are still exactly the template's rendering, either way."""
+    from rollout.hf import HFEngine
+
+    class TimedHFEngine(HFEngine):
+        def generate(self, prompts, params):
+            return timeline.generate(super().generate, prompts, params, chat.tokenizer.decode)
+
+    chat, model, rows = memorised
+    timeline = Timeline(wait_s=60 if overlap else 0.05)
+    tools = ToolSet([timeline.tool(), explode])   # calc_tools' schemas, which the model saw
+    chat = ChatFormat(chat.tokenizer, tools.schemas)
+    order = [0, 0, 1, 1]                      # halves {0, 2} and {1, 3}: a calculator prompt in each
+    torch.manual_seed(0)
+    trajectories = run_multiturn(TimedHFEngine(model, chat.tokenizer.eos_token_id, chat.tokenizer.pad_token_id), chat,
+                                 [[{"role": "user", "content": MEMORISED[k][0]}] for k in order],
+                                 [ToolEnvironment(tools) for _ in order], SamplingParams(temperature=0.1),
+                                 1000, 4, overlap=overlap)
+    assert timeline.tool_calls() == 2
+    assert timeline.overlapped_calls() == ({0, 1} if overlap else set())
+    for t, k in zip(trajectories, order):
+        prompt_len, ids, model_positions = rows[k]
+        assert t.prompt_ids + t.response_ids == ids
+        assert [i + prompt_len for i, m in enumerate(t.mask) if m] == model_positions
+        assert len(t.logprobs) == len(t.mask) == len(t.response_ids)

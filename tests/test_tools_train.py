@@ -16,11 +16,12 @@ import torch
 
 from config import Config
 from mlflow_store import sqlite_uri
+from plumbing.oom import OomReaction, base_sizes
 from rollout import SamplingParams
 from rollout.hf import HFEngine
 from rollout.tools import ToolSet
 from rollout.tools.rollouts import ToolRollouts
-from test_tools import CALC, MEMORISED, memorise, qwen_style_tokenizer
+from test_tools import CALC, MEMORISED, call_text, memorise, qwen_style_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
@@ -93,6 +94,46 @@ def test_pad_equal_to_eos_keeps_whole_trajectories(rolled_out, model_dir):
     assert 0 < batch["response_mask"][0].sum() < len(first.response_ids)   # tool tokens are left out
 
 
+def test_batch_masks_have_each_trajectorys_length():
+    """What the losses see (ToolRolloutOutput.batch): each row's response_mask is the trajectory's mask
+    over exactly its tokens and 0 after, when a failed call's error observation overflows the budget
+    mid-output, when the model is cut mid-turn, and after failed and malformed calls."""
+    from test_tools import HERE, ScriptedEngine, call_text
+    tokenizer = qwen_style_tokenizer()
+    replies = [[call_text("explode", {"x": "y"}) + '<tool_call>{"name": 1}</tool_call>', "Sorry."],  # two failed calls
+               ["x" * 240 + call_text("nope", {}), "never"],       # unknown tool: its error overflows the budget
+               ["thinking " * 40 + "..."],                          # cut mid-turn, no EOS
+               ["Short."]]
+    budget = 320
+    cfg = tool_config(tools=f"{CALC},{HERE}:explode", max_response_length=budget, max_prompt_length=2048)
+    tools = ToolRollouts(cfg, tokenizer)
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(len(replies))]
+    from prompts.sets import PromptSet
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+    engine = ScriptedEngine(tokenizer, replies)
+    engine.rows = [tools.chat.prompt_ids(m) for m in prompts]
+    out = tools.generate(engine, PromptSet(texts, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts],
+                                           {}, [{"prompt": m} for m in prompts]), SamplingParams(temperature=1.0))
+    trajectories = out.trajectories
+    assert [t.stop_reason for t in trajectories] == ["done", "length", "length", "done"]
+    assert [(t.tool_calls, t.tool_errors) for t in trajectories] == [(2, 2), (1, 1), (0, 0), (0, 0)]
+    overflow = trajectories[1]
+    assert len(overflow.response_ids) == budget and overflow.mask[-1] == 0             # cut inside the observation
+    assert "error: unknown tool" in tokenizer.decode(overflow.response_ids)
+    assert len(trajectories[2].response_ids) == budget and all(trajectories[2].mask)    # cut inside the model's turn
+    batch = out.batch(tokenizer.pad_token_id)
+    R = batch["responses"].shape[1]
+    assert R == budget
+    for row, t in enumerate(trajectories):
+        n = len(t.response_ids)
+        assert len(t.mask) == len(t.logprobs) == n
+        assert batch["attention_mask"][row, -R:].sum() == n
+        assert batch["responses"][row, :n].tolist() == t.response_ids
+        assert batch["response_mask"][row].tolist() == [float(m) for m in t.mask] + [0.0] * (R - n)
+        assert out.logprobs[row] == t.logprobs and len(out.logprobs[row]) == n
+    assert out.truncated.tolist() == [False, True, True, False]
+
+
 def _actor_update(model, batch, cfg):
     """One real update_actor pass (policy loss, KL loss, entropy bonus) -> the gradient of every parameter."""
     from accelerate import Accelerator
@@ -107,8 +148,30 @@ def _actor_update(model, batch, cfg):
         grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         return original_step(*a, **k)
     optim.step = keep_grads
-    train_ppo.update_actor(Accelerator(cpu=True), model, optim, batch, cfg, nullcontext, False,
-                           temperature=1.0, entropy_coeff=0.01)
+    accelerator = Accelerator(cpu=True)
+    train_ppo.update_actor(accelerator, model, optim, batch, cfg, nullcontext, False, temperature=1.0,
+                           entropy_coeff=0.01, oom=OomReaction(accelerator, base_sizes(cfg), cfg.max_oom_retries),
+                           max_grad_norm=cfg.max_grad_norm)
+    return grads
+
+
+def _critic_update(critic, batch, cfg):
+    """One real update_critic pass (the value loss, clipped) -> the gradient of every parameter."""
+    from accelerate import Accelerator
+    from contextlib import nullcontext
+    import train_ppo
+    critic = copy.deepcopy(critic).train()
+    grads = {}
+    optim = torch.optim.SGD(critic.parameters(), lr=0.0)
+    original_step = optim.step
+
+    def keep_grads(*a, **k):
+        grads.update({n: p.grad.clone() for n, p in critic.named_parameters() if p.grad is not None})
+        return original_step(*a, **k)
+    optim.step = keep_grads
+    accelerator = Accelerator(cpu=True)
+    train_ppo.update_critic(accelerator, critic, optim, batch, cfg, nullcontext, False,
+                            oom=OomReaction(accelerator, base_sizes(cfg), cfg.max_oom_retries))
     return grads
 
 
@@ -138,6 +201,37 @@ def test_tool_tokens_get_no_gradient_in_the_update(rolled_out, model_dir):
     model_token = torch.zeros_like(tool_tokens)
     model_token[0, 0] = True
     at_model = _actor_update(model, spoiled(model_token), cfg)
+    assert any(not torch.equal(clean[n], at_model[n]) for n in clean)
+
+
+@pytest.mark.slow
+def test_tool_tokens_get_no_gradient_in_the_critic_update(rolled_out, model_dir):
+    """The real update_critic (value loss with value clipping) on the critic as phase 5 trains it (the
+    actor's weights with a value head): garbage returns and old values at tool tokens change no
+    gradient; the same garbage at one model token does."""
+    from modeling.value_models import load_value_model
+    cfg, out, batch = rolled_out
+    cfg = tool_config(cliprange_value=0.2, critic_max_grad_norm=1e9)
+    critic, _ = load_value_model(str(model_dir[0]), dtype=torch.float32)
+    critic.config.pad_token_id = model_dir[3].pad_token_id
+    R = batch["responses"].shape[1]
+    torch.manual_seed(3)
+    batch = {**batch, "returns": torch.randn(2, R), "values": torch.randn(2, R)}
+    tool_tokens = (batch["response_mask"] == 0) & (batch["attention_mask"][:, -R:] == 1)            # [2, R]
+    assert tool_tokens.sum() > 10
+
+    def spoiled(where):
+        b = {k: v.clone() for k, v in batch.items()}
+        for key in ("returns", "values"):
+            b[key][where] = 1e3
+        return b
+
+    clean = _critic_update(critic, batch, cfg)
+    at_tools = _critic_update(critic, spoiled(tool_tokens), cfg)
+    assert clean and all(torch.equal(clean[n], at_tools[n]) for n in clean)
+    model_token = torch.zeros_like(tool_tokens)
+    model_token[0, 0] = True
+    at_model = _critic_update(critic, spoiled(model_token), cfg)
     assert any(not torch.equal(clean[n], at_model[n]) for n in clean)
 
 
@@ -250,3 +344,104 @@ def test_final_answer_score_reads_the_last_assistant_turn():
         [user, call, tool, {"role": "assistant", "content": "It is 1785."}],
         [user, call],                 # ended on a call (max_turns): no answer
         [user, call, tool]]) == [1.0, 0.0, 0.0, 0.0]
+
+
+# --- runaway code and kills, with the python executor ---------------------------------------------
+
+PYTHON = "rollout.tools.builtin:python"
+RUNAWAY = [("Hang.", [call_text("python", {"code": "import time\ntime.sleep(3600)"})]),
+           ("Flood.", [call_text("python", {"code": "while True:\n    print('x' * 1000)"})]),
+           ("Grow.", [call_text("python", {"code": "x = []\nwhile True:\n    x.append(bytearray(2**24))"})])]
+
+
+@pytest.fixture(scope="module")
+def runaway_dir(tmp_path_factory):
+    """A tiny Qwen2 that memorised one python call per prompt: code that sleeps forever, prints without
+    end, or allocates without bound (what comes after the tool's answer it never learnt)."""
+    tokenizer = qwen_style_tokenizer()
+    _, model, _ = memorise(tokenizer, ToolSet.from_specs([PYTHON]), RUNAWAY)
+    path = tmp_path_factory.mktemp("runaway_model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    data = path / "prompts.jsonl"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": q}] for q, _ in RUNAWAY]}).to_json(
+        data, orient="records", lines=True)
+    return path, data
+
+
+def runaway_args(model_path, data, out, *extra):
+    return [f"--model_path={model_path}", f"--train_files={data}", f"--output_dir={out}", f"--tools={PYTHON}",
+            f"--reward_fn={REWARD}", "--max_prompt_length=1024", "--max_response_length=512", "--max_turns=2",
+            "--tool_timeout_s=3", "--train_batch_size=3", "--rollout_n=1", "--ppo_mini_batch_size=3",
+            "--ppo_micro_batch_size_per_device=3", "--ppo_epochs=1", "--val_before_train=false", f"--val_files={data}",
+            "--actor_lr=1e-5", "--critic_lr=1e-5", "--mlflow_log_model=false", *extra]
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_runaway_tool_code_is_stopped_and_the_run_goes_on(runaway_dir, tmp_path):
+    """train_ppo.py with the python tool and a model that writes a hang, a flood of output and an
+    unbounded allocation: each is stopped (wall clock, output and memory limits), read by the model as
+    an error, counted in tools/error_rate, and the run finishes its steps."""
+    model_path, data = runaway_dir
+    env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(SCRIPT), *runaway_args(model_path, data, tmp_path / "out"),
+                           "--total_training_steps=2", "--test_freq=2", "--temperature=0.1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    records = _records(tmp_path / "out")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["tools/calls_per_sample"] >= 1 and r["tools/error_rate"] > 0, r
+        assert all(math.isfinite(v) for v in r.values())
+    # what the model read, from the validation samples the run logged to MLflow: the hang killed on
+    # the clock, the allocation stopped by the memory limit (the flood's message lies past the 512
+    # tokens, after 8 KB of its own output: its exit status is what fits)
+    (table,) = [json.loads(p.read_text()) for p in tmp_path.rglob("samples/step_000002.json")]
+    text = "".join(row[table["columns"].index("response")] for row in table["data"])
+    for words in ("timed out after 3 s and was killed", "MemoryError", "exit status 1\nxxxxxxxx"):
+        assert words in text, f"no {words!r} in the run's samples"
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_with_tools_matches_the_uninterrupted_run(runaway_dir, tmp_path):
+    """tests/test_resume.py's kill, with the python tool: sampled at temperature 0.7 (the trajectories
+    vary and depend on the restored RNG), the tool's outputs (errors included) are deterministic given
+    the code, so the resumed run logs the uninterrupted run's numbers, step for step, exactly."""
+    import random
+    import signal
+    import time
+    model_path, data = runaway_dir
+    extra = ["--total_training_steps=4", "--save_freq=1", "--save_total_limit=2", "--test_freq=-1",
+             "--temperature=0.7"]
+
+    def command(out):
+        return [sys.executable, str(SCRIPT), *runaway_args(model_path, data, out, *extra)]
+
+    def comparable(out):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in _records(out)]
+
+    env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
+    reference = subprocess.run(command(tmp_path / "ref"), cwd=tmp_path, env=env, capture_output=True, text=True,
+                               timeout=900)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    out = tmp_path / "out"
+    proc = subprocess.Popen(command(out), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while (not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 2) \
+            and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.Random(os.getpid()).uniform(0, 1.5))   # somewhere in step 3: rollout, tools or update
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before the kill"
+    resumed = subprocess.run(command(out), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    got, want = comparable(out), comparable(tmp_path / "ref")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert any(r["tools/error_rate"] > 0 for r in want)
+    assert got == want

@@ -209,6 +209,7 @@ def make_python_tool(limits: PythonLimits = PythonLimits()):
             code: The complete program, e.g. "print(sum(range(10)))".
         """
         return run_python(code, limits)
+    python.own_timeout_s = limits.timeout_s   # the tool set's own timer waits a little longer (toolset.py)
     return python
 
 

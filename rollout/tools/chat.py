@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from errors import UserError
 
-WORKING_TEMPLATES = ("ChatML with tool messages as Qwen2.5 renders them (<tool_call>/<tool_response>), "
-                     "or any template that renders earlier turns the same whatever follows them")
+WORKING_TEMPLATES = ("ChatML with tool messages as Qwen2.5 renders them (<tool_call>/<tool_response>), Llama 3.1 "
+                     "Instruct's, or any template that renders earlier turns the same whatever follows them")
 
 # The probe carries a reasoning block: templates that drop <think>...</think> from earlier assistant
 # turns (the DeepSeek-R1 / QwQ habit) change the past once a tool turn follows, and are refused.

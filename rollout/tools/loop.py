@@ -7,13 +7,15 @@ template and appended (mask 0). Nothing is re-tokenized from text afterwards, so
 is trained on are exactly the ids it was sampled from. max_response_length counts every token
 after the prompt, model and tool alike; a trajectory is cut cleanly at it.
 
-Trajectories still going are generated together, one engine.generate call per turn; their
-environments (tool calls) step concurrently in a thread pool between generation passes.
+Trajectories still going are generated together, one engine.generate call per turn (per half of
+them with overlap); their environments (tool calls) step concurrently in a thread pool, and with
+overlap while the engine generates for the other half.
 """
 from __future__ import annotations
 
+import itertools
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -71,14 +73,19 @@ class Trajectory:
 
 def run_multiturn(engine: RolloutEngine, chat: ChatFormat, prompts: list[list[dict]], envs: list,
                   params: SamplingParams, max_response_length: int, max_turns: int,
-                  rows: list[dict] | None = None, tool_workers: int = 8,
+                  rows: list[dict] | None = None, tool_workers: int = 8, overlap: bool = True,
                   any_active: Callable[[bool], bool] | None = None, clock: dict | None = None) -> list[Trajectory]:
     """One trajectory per prompt (expand prompts for rollout_n; params.n is taken as 1).
     prompts: chat messages; envs: one environment per prompt, reset here with rows[i] (the data row).
+    overlap: the trajectories go in two fixed halves (even and odd) that take turns at the engine; a
+    half's tool calls (environment steps) go to the pool as soon as its turn is generated and run while
+    the engine generates for the other half; they are collected just before that half's next pass.
+    Without it: one pass for all, then all their steps, then the next pass. Either way, which
+    trajectories go into which generate call never depends on timing, so a run is repeatable.
     any_active: under ZeRO-3 every rank must run the same number of generation passes; given, it
-    reduces "this rank still has trajectories" across ranks (any), and a rank with none left runs
-    one-token filler passes until all are done. clock: gets "tools_s", the wall time spent waiting
-    on the environments (tool calls) between generation passes."""
+    reduces "this rank still has trajectories" across ranks (any) before every pass, and a rank with
+    none for this pass runs a one-token filler pass. clock: gets "tools_s", the wall time spent
+    blocked on environments (tool calls), what the overlap did not hide."""
     assert len(prompts) == len(envs), "one environment per prompt"
     trajectories = []
     for i, (messages, env) in enumerate(zip(prompts, envs)):
@@ -86,19 +93,33 @@ def run_multiturn(engine: RolloutEngine, chat: ChatFormat, prompts: list[list[di
         messages = list(opening or messages)
         trajectories.append(Trajectory(prompt_ids=chat.prompt_ids(messages), messages=messages))
     params = replace(params, n=1, ignore_eos=False)
-    active = list(range(len(trajectories))) if max_turns > 0 and max_response_length > 0 else []
+    n_halves = 2 if overlap else 1
+    half = [i % n_halves for i in range(len(trajectories))]   # interleaved: a prompt's rollout_n samples in both
+    ready = list(range(len(trajectories))) if max_turns > 0 and max_response_length > 0 else []   # to generate next
+    pending: dict[int, Future] = {}                      # trajectory -> its environment step, running in the pool
     for t in trajectories:
-        t.stop_reason = "" if active else "length" if max_response_length <= 0 else "max_turns"
+        t.stop_reason = "" if ready else "length" if max_response_length <= 0 else "max_turns"
     with ThreadPoolExecutor(max_workers=tool_workers, thread_name_prefix="tool-env") as pool:
-        while _continue(bool(active), any_active):
-            if not active:   # filler pass: keeps this rank's generate calls in step with the others
-                engine.generate([trajectories[0].prompt_ids[:1]], replace(params, max_tokens=1))
+        for pass_no in itertools.count():
+            h = pass_no % n_halves
+            waited = time.perf_counter()
+            for i in sorted(i for i in pending if half[i] == h):   # this half's steps ran during the other's pass
+                if _observe(trajectories[i], chat, pending.pop(i).result(), max_response_length, max_turns):
+                    ready.append(i)
+            if clock is not None:
+                clock["tools_s"] = clock.get("tools_s", 0.0) + time.perf_counter() - waited
+            if not _continue(bool(ready or pending), any_active):
+                break
+            batch = sorted(i for i in ready if half[i] == h)
+            if not batch:
+                if any_active is not None:   # filler pass: keeps this rank's generate calls in step with the others
+                    engine.generate([trajectories[0].prompt_ids[:1]], replace(params, max_tokens=1))
                 continue
-            room = {i: max_response_length - len(trajectories[i].response_ids) for i in active}
-            out = engine.generate([trajectories[i].prompt_ids + trajectories[i].response_ids for i in active],
+            ready = [i for i in ready if half[i] != h]
+            room = {i: max_response_length - len(trajectories[i].response_ids) for i in batch}
+            out = engine.generate([trajectories[i].prompt_ids + trajectories[i].response_ids for i in batch],
                                   replace(params, max_tokens=max(room.values())))
-            stepping = []
-            for k, i in enumerate(active):
+            for k, i in enumerate(batch):
                 traj, ids = trajectories[i], out.responses[k][:room[i]]
                 if out.logprobs is None:
                     traj.logprobs = None
@@ -107,35 +128,35 @@ def run_multiturn(engine: RolloutEngine, chat: ChatFormat, prompts: list[list[di
                 if not ids or ids[-1] not in chat.stop_ids:
                     traj.stop_reason = "length" if len(traj.response_ids) >= max_response_length else "no_stop"
                     continue
-                traj.messages.append({"role": "assistant", "content": chat.assistant_text(ids)})
-                stepping.append(i)
-            waited = time.perf_counter()
-            steps = list(pool.map(lambda i: _step(envs[i], trajectories[i].messages[-1]["content"]), stepping))
-            if clock is not None:
-                clock["tools_s"] = clock.get("tools_s", 0.0) + time.perf_counter() - waited
-            active = []
-            for i, (observation, reward, done, info, seconds) in zip(stepping, steps):
-                traj = trajectories[i]
-                traj.env_reward += float(reward)
-                traj.tool_calls += int(info.get("tool_calls", 0))
-                traj.tool_errors += int(info.get("tool_errors", 0))
-                traj.tool_s += seconds
-                if done:
-                    traj.stop_reason = "done"
-                    continue
-                if traj.turns >= max_turns:
-                    traj.stop_reason = "max_turns"
-                    continue
-                texts = [] if observation is None else [observation] if isinstance(observation, str) else list(observation)
-                obs_ids = chat.observation_ids(traj.messages, texts)
-                traj.messages += [{"role": "tool", "content": text} for text in texts]
-                left = max_response_length - len(traj.response_ids)
-                traj._append(obs_ids[:left], model=False)
-                if len(obs_ids) >= left:   # no room for another model token
-                    traj.stop_reason = "length"
-                    continue
-                active.append(i)
+                text = chat.assistant_text(ids)
+                traj.messages.append({"role": "assistant", "content": text})
+                pending[i] = pool.submit(_step, envs[i], text)
     return trajectories
+
+
+def _observe(traj: Trajectory, chat: ChatFormat, step, max_response_length: int, max_turns: int) -> bool:
+    """An environment step's outcome into the trajectory: counts, then the observation's tokens (cut at
+    the budget) -> whether the trajectory goes on to another assistant turn."""
+    observation, reward, done, info, seconds = step
+    traj.env_reward += float(reward)
+    traj.tool_calls += int(info.get("tool_calls", 0))
+    traj.tool_errors += int(info.get("tool_errors", 0))
+    traj.tool_s += seconds
+    if done:
+        traj.stop_reason = "done"
+        return False
+    if traj.turns >= max_turns:
+        traj.stop_reason = "max_turns"
+        return False
+    texts = [] if observation is None else [observation] if isinstance(observation, str) else list(observation)
+    obs_ids = chat.observation_ids(traj.messages, texts)
+    traj.messages += [{"role": "tool", "content": text} for text in texts]
+    left = max_response_length - len(traj.response_ids)
+    traj._append(obs_ids[:left], model=False)
+    if len(obs_ids) >= left:   # no room for another model token
+        traj.stop_reason = "length"
+        return False
+    return True
 
 
 def _continue(local_active: bool, any_active: Callable[[bool], bool] | None) -> bool:

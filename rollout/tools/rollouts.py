@@ -85,7 +85,8 @@ class ToolRollouts:
         trajectories = run_multiturn(engine, self.chat, messages, self.environments(len(messages)), params,
                                      cfg.max_response_length, cfg.max_turns,
                                      rows=[{**row, "messages": m} for row, m in zip(rows, messages)],
-                                     tool_workers=cfg.tool_workers, any_active=any_active, clock=clock)
+                                     tool_workers=cfg.tool_workers, overlap=cfg.tool_overlap,
+                                     any_active=any_active, clock=clock)
         longest = max(len(t.prompt_ids) for t in trajectories)
         if longest > cfg.max_prompt_length:
             raise UserError(f"a prompt rendered with the tool schemas is {longest} tokens > max_prompt_length="

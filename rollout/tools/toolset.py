@@ -51,7 +51,10 @@ class ToolSet:
         problem = self._check_arguments(call)
         if problem:
             return _error(f"{call.name}: {problem}")
-        outcome = _call_with_timeout(fn, call.arguments, self.timeout_s)
+        # a tool that stops itself (the python executor kills its subprocess) gets a margin, so that its own
+        # message, the same every time, is the one the model reads, not whichever timer fired first
+        limit = fn.own_timeout_s + 5.0 if hasattr(fn, "own_timeout_s") else self.timeout_s
+        outcome = _call_with_timeout(fn, call.arguments, limit)
         if isinstance(outcome, _Failed):
             return _error(f"{call.name}: {outcome.message}")
         text = _as_text(outcome)
