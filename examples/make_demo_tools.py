@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 EXAMPLES = Path(__file__).resolve().parent
@@ -90,13 +90,33 @@ def system_message() -> str:
     return text[len(start):text.index(end)]
 
 
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's), in byte order."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
 def build_tokenizer(with_system: bool = True) -> PreTrainedTokenizerFast:
+    # Byte-level BPE without merges: one token per character, written in the byte-level alphabet
+    # (" " is "Ġ", "\n" is "Ċ") because AutoTokenizer loads a qwen2 model's tokenizer as Qwen2Tokenizer,
+    # which puts its own byte-level pre-tokenizer and decoder in place (a plain character vocabulary
+    # then loses every space and newline).
+    byte_char = pre_tokenizers.ByteLevel.alphabet()
+    assert len(byte_char) == 256
+    to_byte_level = {chr(b): c for b, c in zip(range(256), _bytes_to_unicode())}
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARS:
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+        vocab[to_byte_level[ch]] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         padding_side="left")
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
