@@ -1,7 +1,7 @@
 """Regenerate the tool demo's assets: data, tokenizer and a warm-started tiny model that can call the
 calculator (issue 22, "a recipe that learns, on a CPU").
 
-    python examples/make_demo_tools.py   # from the repository root; about 2 minutes on 2 idle CPU cores
+    python examples/make_demo_tools.py   # from the repository root; about 5 minutes on 2 shared CPU cores
 
 Writes, deterministically (fixed seeds, no network):
     examples/data/tools_train.parquet, examples/data/tools_val.parquet   prompts like "347*29=" (+ answers)
