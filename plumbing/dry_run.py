@@ -15,6 +15,7 @@ from modeling.loading import _load, load_tokenizer
 from plumbing import console, preflight
 from prompts.sets import load_prompts, load_sft
 from rewards.scoring import Scorer
+from rollout.tools.rollouts import TRAJECTORY_COLUMNS, make_tool_rollouts
 
 
 def dry_run(cfg: Config) -> bool:
@@ -29,14 +30,29 @@ def dry_run(cfg: Config) -> bool:
     check_world_size(cfg, world)
     stage, offload = distributed.launched_zero()
     tokenizer = load_tokenizer(cfg.model_path, AutoTokenizer)
-    columns = Scorer(cfg, tokenizer, None).columns
+    tools = make_tool_rollouts(cfg, tokenizer)   # multi-turn: the tools load, the chat template passes the check
+    # a trajectory provides what a multi-turn reward takes beyond the data (messages, tool_calls, ...)
+    columns = Scorer(cfg, tokenizer, None).dataset_columns(TRAJECTORY_COLUMNS if tools else ())
     read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
-                                      cfg.prompt_truncation, columns, cfg.reward_fn)
-    counts = {"train": len(read(cfg.train_files).ids)}
+                                      cfg.prompt_truncation, columns, cfg.reward_fn, keep_rows=tools is not None)
+    longest_with_tools = 0
+
+    def count(files: str) -> int:
+        nonlocal longest_with_tools
+        prompts = read(files)
+        if tools:   # the prompt the policy sees carries the tools' descriptions, as the run renders it
+            longest_with_tools = max([longest_with_tools] + [len(tools.prompt_ids(row, text))
+                                                             for row, text in zip(prompts.rows, prompts.texts)])
+        return len(prompts.ids)
+
+    counts = {"train": count(cfg.train_files)}
     if counts["train"] < cfg.train_batch_size:
         raise UserError(f"train_files hold {counts['train']} rows, fewer than train_batch_size={cfg.train_batch_size}")
     if cfg.val_files:
-        counts["val"] = len(read(cfg.val_files).ids)
+        counts["val"] = count(cfg.val_files)
+    if longest_with_tools > cfg.max_prompt_length:
+        raise UserError(f"a prompt rendered with the tool schemas is {longest_with_tools} tokens > max_prompt_length="
+                        f"{cfg.max_prompt_length}: raise max_prompt_length (it counts the tools' descriptions)")
     if cfg.sft_files:
         counts["sft"] = len(load_sft(cfg, tokenizer)[0])
     shape = lambda key, path, kind, **kw: _load(key, path, preflight.model_shape, "model config", kind=kind, **kw)  # noqa: E731
@@ -67,6 +83,9 @@ def dry_run(cfg: Config) -> bool:
     print(f"config: {len(changed)} keys differ from the defaults: "
           + ", ".join(f"{k}={v}" for k, v in changed.items()))
     print("data: " + ", ".join(f"{n} {k} rows" for k, n in counts.items()) + "; every file read and checked")
+    if tools:
+        print(f"tools: {', '.join(tools.names)}; chat template passes the prefix check; longest prompt with the "
+              f"tool schemas {longest_with_tools} tokens (max_prompt_length={cfg.max_prompt_length})")
     print(f"actor: {plan.actor.params / 1e6:.2f}M parameters ({plan.actor.trainable / 1e6:.2f}M trained), "
           f"vocabulary {plan.actor.vocab}")
     return preflight.report(plan)

@@ -95,3 +95,17 @@ def compute_score_flexible(prompts: list[str], responses: list[str],
 
 compute_score.is_verifier = True
 compute_score_flexible.is_verifier = True
+
+
+def compute_score_final_turn(prompts: list[str], responses: list[str], ground_truth: list[str] | None = None,
+                             messages: list[list[dict]] | None = None) -> list[float]:
+    """Multi-turn (tools): strict, on the final assistant turn only. `responses` then holds the tool
+    output too, so a program that prints "#### 72" would score by itself, even in a trajectory cut off
+    before the model answered; a trajectory that does not end on an assistant turn scores 0."""
+    if messages is None:
+        raise ValueError("compute_score_final_turn reads the conversation: use it with tools or an environment")
+    finals = [m[-1]["content"] if m and m[-1]["role"] == "assistant" else "" for m in messages]
+    return _scores(prompts, finals, ground_truth, "strict")
+
+
+compute_score_final_turn.is_verifier = True

@@ -67,6 +67,18 @@ class ToolRollouts:
         self.chat = ChatFormat(tokenizer, self.toolset.schemas if self.toolset else None)
         check_template(self.chat)
 
+    @property
+    def names(self) -> list[str]:
+        """What the policy may call, for messages: the tool names, or the environment class."""
+        if self.toolset is None:
+            return [f"environment {self.cfg.environment}"]
+        return [schema["function"]["name"] for schema in self.toolset.schemas]
+
+    def prompt_ids(self, row: dict, text: str) -> list[int]:
+        """A data row's prompt as the policy sees it, rendered with the tool schemas (--dry_run's length
+        check; an environment's reset may still replace the messages)."""
+        return self.chat.prompt_ids(_messages(row.get(self.cfg.prompt_key, text)))
+
     def environments(self, n: int) -> list:
         if self.env_class is None:
             return [ToolEnvironment(self.toolset) for _ in range(n)]
