@@ -1,12 +1,15 @@
 """GPU check (one GPU, under 5 minutes): vLLM sleep/wake and weight sync, and PPO throughput on a
 random-initialised 0.5B-parameter Qwen2 (Qwen2.5-0.5B's shape) in bf16.
 
-    python scripts/gpu_check.py [--steps 4] [--out runs/gpu_check]
+    python scripts/gpu_check.py [--steps 4] [--out runs/gpu_check] [--engine vllm|hf] [--zero3]
 
 Prints: GPU memory held by the vLLM engine awake, asleep (level 1) and woken again; the time of a
-full weight sync; then runs train_ppo.py with rollout_engine=vllm and prints tokens/s per GPU and
+full weight sync; then runs train_ppo.py with that rollout engine and prints tokens/s per GPU and
 the share of the step spent generating, syncing and training (medians over steps 2..N).
-Needs CUDA; offline (the model is built locally with the demo's character tokenizer).
+--engine hf skips the engine check (a machine without vLLM's CUDA build); --zero3 launches the run
+through `accelerate launch` with accelerate_configs/zero3.yaml on one process (DeepSpeed ZeRO-3 and
+NCCL on the GPU). Needs CUDA; offline (the model is built locally with the demo's character
+tokenizer). --tiny: the W1 shape and 2 steps, which runs on a CPU too (a check of this script).
 """
 import argparse
 import json
@@ -31,11 +34,11 @@ def gib(nbytes):
     return nbytes / 2**30
 
 
-def build(out: Path):
+def build(out: Path, tiny: bool = False):
     import random
     import pandas as pd
     from make_demo import build_char_tokenizer, build_tiny_qwen2
-    model = build_tiny_qwen2(vocab_size=151936, **QWEN25_05B).to(torch.bfloat16)
+    model = build_tiny_qwen2() if tiny else build_tiny_qwen2(vocab_size=151936, **QWEN25_05B).to(torch.bfloat16)
     model.save_pretrained(out / "model")
     build_char_tokenizer().save_pretrained(out / "model")
     rng = random.Random(0)
@@ -74,23 +77,35 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", default="runs/gpu_check")
+    parser.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
+    parser.add_argument("--zero3", action="store_true", help="launch through accelerate with the ZeRO-3 config")
+    parser.add_argument("--tiny", action="store_true", help="the W1 shape, 2 steps: checks this script on a CPU")
     parser.add_argument("--engine_only", action="store_true", help="(internal) the engine memory check alone")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if not (torch.cuda.is_available() or args.tiny):
         sys.exit("gpu_check needs CUDA")
     out = Path(args.out)
     if args.engine_only:
         return engine_memory(out)
-    print(f"GPU: {torch.cuda.get_device_name()}; model {build(out) / 1e9:.2f}B parameters", flush=True)
-    # its own process: the engine's memory is measured with nothing else on the GPU, and freed after
-    subprocess.run([sys.executable, __file__, "--out", str(out), "--engine_only"], check=True, cwd=ROOT)
-    run = [sys.executable, str(ROOT / "train_ppo.py"), f"--model_path={out / 'model'}",
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"device: {device}; model {build(out, args.tiny) / 1e9:.3f}B parameters", flush=True)
+    if args.engine == "vllm":
+        # its own process: the engine's memory is measured with nothing else on the GPU, and freed after
+        subprocess.run([sys.executable, __file__, "--out", str(out), "--engine_only"], check=True, cwd=ROOT)
+    launch = [sys.executable]
+    if args.zero3:
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "1"]
+    shape = (["--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=8",
+              "--max_response_length=16", "--dtype=fp32"] if args.tiny else
+             ["--train_batch_size=128", "--rollout_n=4", "--ppo_mini_batch_size=64",
+              "--ppo_micro_batch_size_per_device=64", "--max_response_length=256", "--dtype=bf16"])
+    run = launch + [str(ROOT / "train_ppo.py"), f"--model_path={out / 'model'}",
            f"--train_files={out / 'prompts.parquet'}", "--val_files=", f"--output_dir={out / 'run'}",
-           f"--total_training_steps={args.steps}", "--train_batch_size=128", "--rollout_n=4",
-           "--ppo_mini_batch_size=64", "--ppo_micro_batch_size_per_device=64", "--ppo_epochs=1",
-           "--max_prompt_length=16", "--max_response_length=256", "--rollout_ignore_eos=true",
-           "--rollout_engine=vllm", "--rollout_gpu_memory_utilization=0.3", "--dtype=bf16", "--use_kl_in_reward=true",
-           "--actor_lr=1e-6", "--critic_lr=1e-5", "--resume=never", "--reward_fn=rewards.arithmetic:compute_score"]
+           f"--total_training_steps={2 if args.tiny else args.steps}", "--ppo_epochs=1",
+           "--max_prompt_length=16", "--rollout_ignore_eos=true", f"--rollout_engine={args.engine}",
+           "--rollout_gpu_memory_utilization=0.3", "--use_kl_in_reward=true", "--actor_lr=1e-6", "--critic_lr=1e-5",
+           "--resume=never", "--reward_fn=rewards.arithmetic:compute_score"] + shape
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{(out / 'mlflow.db').resolve()}")
     subprocess.run(run, check=True, cwd=ROOT, env=env)
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()][1:]
