@@ -21,6 +21,7 @@ from rewards import scoring
 from config import load_config
 from errors import UserError
 from prompts.sets import load_prompts
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "examples" / "demo_model"
@@ -256,7 +257,7 @@ def test_launch_with_a_deepspeed_config_file_missing_from_the_working_directory(
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "2",
-                           "--main_process_port", str(29500 + os.getpid() % 1000), str(ROOT / "train_ppo.py"),
+                           "--main_process_port", str(free_port()), str(ROOT / "train_ppo.py"),
                            f"--output_dir={tmp_path}/out", "--total_training_steps=1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     lines = error_lines(proc)
@@ -304,7 +305,7 @@ def test_zero3_checkpoint_with_a_truncated_shard_is_named_on_every_rank(tmp_path
     def launch(*args):
         return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                                str(ROOT / "accelerate_configs" / "zero3.yaml"), "--main_process_port",
-                               str(29500 + os.getpid() % 1000), str(ROOT / "train_ppo.py"), "--mlflow_log_model=false",
+                               str(free_port()), str(ROOT / "train_ppo.py"), "--mlflow_log_model=false",
                                f"--output_dir={out}", "--adv_estimator=grpo", "--use_kl_in_reward=false",
                                "--train_batch_size=4", "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=4",
                                "--rollout_n=2", "--val_files=", *args],

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mlflow_store import sqlite_uri
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow   # every test here launches 2 processes
@@ -49,7 +50,7 @@ def launch_command(tmp_path, accel_config, *args, env_extra=None):
     env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel_config),
-           "--main_process_port", str(29500 + os.getpid() % 1000), str(ROOT / "train_ppo.py"),
+           "--main_process_port", str(free_port()), str(ROOT / "train_ppo.py"),
            "--mlflow_log_model=false", *args]   # the model logging is tested single-process
     return cmd, env
 

@@ -16,6 +16,7 @@ import pytest
 
 from config import load_config
 from plumbing.guards import Guards
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
@@ -60,7 +61,7 @@ def test_zero3_oom_on_one_rank_is_agreed_and_the_run_goes_on_with_smaller_micro_
     a timeout), redo each phase with 8 -> 6 sequences, finish, and checkpoint the new sizes."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3), "--main_process_port",
-           str(29500 + os.getpid() % 1000), str(SCRIPT), f"--output_dir={out}", "--total_training_steps=2",
+           str(free_port()), str(SCRIPT), f"--output_dir={out}", "--total_training_steps=2",
            "--save_freq=2", *RUN]
     proc = subprocess.run(cmd, cwd=ROOT, env=env_for(tmp_path, **OOM_ABOVE_70_ON_RANK0), capture_output=True,
                           text=True, timeout=600)

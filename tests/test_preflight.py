@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
@@ -76,7 +77,7 @@ def test_dry_run_on_the_gsm8k_config_under_zero3_prints_tables_for_1_and_8_ranks
     for split in ("train", "val"):
         pd.DataFrame(rows).to_parquet(tmp_path / f"{split}.parquet")
     launcher = ["-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "zero3.yaml"),
-                "--num_processes", "1", "--main_process_port", str(29500 + os.getpid() % 1000)]
+                "--num_processes", "1", "--main_process_port", str(free_port())]
     proc = run(tmp_path, "--config", str(ROOT / "configs" / "gsm8k_qwen2.5_0.5b.yaml"), f"--model_path={model}",
                f"--critic_model_path={model}", f"--train_files={tmp_path}/train.parquet",
                f"--val_files={tmp_path}/val.parquet", "--dry_run", launcher=launcher,

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
@@ -32,7 +33,7 @@ def env_for(tmp_path, **extra):
 def launch2(tmp_path, *args, env_extra=None, timeout=900):
     """A 2-process ZeRO-3 launch of train_ppo.py."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3),
-           "--main_process_port", str(29500 + os.getpid() % 1000), str(SCRIPT), *args]
+           "--main_process_port", str(free_port()), str(SCRIPT), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env_for(tmp_path, **(env_extra or {})), capture_output=True, text=True,
                           timeout=timeout)
 

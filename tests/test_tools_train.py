@@ -22,6 +22,7 @@ from rollout.hf import HFEngine
 from rollout.tools import ToolSet
 from rollout.tools.rollouts import ToolRollouts
 from test_tools import CALC, MEMORISED, call_text, memorise, qwen_style_tokenizer
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
@@ -318,7 +319,7 @@ def test_zero3_two_processes_with_skewed_turns(model_dir, tmp_path):
     model_path, data, _, _ = model_dir
     env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / "zero3.yaml"), "--main_process_port", str(29500 + os.getpid() % 1000 + 7),
+           str(ROOT / "accelerate_configs" / "zero3.yaml"), "--main_process_port", str(free_port()),
            str(SCRIPT), *run_args(model_path, data, tmp_path / "out", "--rollout_n=1")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]

@@ -15,6 +15,7 @@ from distribution.prepare import check_world_size
 from errors import UserError
 from forward import packing, ulysses
 from forward.batch import pack_batch
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +70,7 @@ def test_two_ranks_split_equal_one_unsplit(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "2",
-           "--main_process_port", str(29500 + (os.getpid() + 7) % 1000), str(ROOT / "tests" / "ulysses_worker.py"),
+           "--main_process_port", str(free_port()), str(ROOT / "tests" / "ulysses_worker.py"),
            str(out)]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

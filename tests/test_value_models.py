@@ -23,6 +23,7 @@ from config import Config
 from forward.batch import pack_batch
 from forward.readouts import critic_values, reward_model_scores
 from modeling.loading import load_models
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["cohere", "granite", "olmo2", "qwen2"]
@@ -371,7 +372,7 @@ def test_zero3_two_processes_train_a_cohere_critic_against_a_cohere_reward_model
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "2",
-           "--main_process_port", str(29500 + os.getpid() % 1000), str(ROOT / "train_ppo.py"),
+           "--main_process_port", str(free_port()), str(ROOT / "train_ppo.py"),
            f"--model_path={lm}", f"--reward_model_path={rm}", "--adv_estimator=gae", f"--output_dir={out}",
            "--total_training_steps=2", "--test_freq=-1", "--train_batch_size=8", "--rollout_n=2",
            "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=4", "--rollout_ignore_eos=true",
