@@ -1,5 +1,6 @@
 """Ulysses sequence parallelism (forward/ulysses.py, DeepSpeed's ALST): the split pass equals the
 unsplit one, and what cannot work is refused in one line naming the key."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from distribution.prepare import check_world_size
 from errors import UserError
 from forward import packing, ulysses
 from forward.batch import pack_batch
+from mlflow_store import sqlite_uri
 from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,9 +35,14 @@ def test_config_refuses_what_cannot_split():
         validate_config(Config(ulysses_sequence_parallel_size=2, remove_padding=False))
     with pytest.raises(UserError, match=r"ulysses_sequence_parallel_size=2 does not divide the 3 processes"):
         check_world_size(Config(ulysses_sequence_parallel_size=2, train_batch_size=6, ppo_mini_batch_size=6), 3)
-    # until train_ppo.py calls the split passes, a run with it is refused rather than run unsplit
-    with pytest.raises(UserError, match=r"ulysses_sequence_parallel_size=2: train_ppo.py does not run"):
-        check_world_size(Config(ulysses_sequence_parallel_size=2), 2)
+    with pytest.raises(UserError, match=r"ulysses_sequence_parallel_size=2 with tools: multi-turn rollouts"):
+        validate_config(Config(ulysses_sequence_parallel_size=2, tools="rollout.tools.builtin:calculator"))
+    # batch sizes split over the data-parallel ranks: world / sp
+    with pytest.raises(UserError, match=r"train_batch_size=3 is not divisible by the 2 data-parallel ranks \(4 "
+                                        r"processes / ulysses_sequence_parallel_size=2\)"):
+        check_world_size(Config(ulysses_sequence_parallel_size=2, train_batch_size=3, ppo_mini_batch_size=3), 4)
+    check_world_size(Config(ulysses_sequence_parallel_size=2, train_batch_size=3, ppo_mini_batch_size=3), 2)
+    check_world_size(Config(ulysses_sequence_parallel_size=2), 2)
     check_world_size(Config(), 2)
 
 
@@ -83,6 +90,63 @@ def test_two_ranks_split_equal_one_unsplit(tmp_path):
     assert f["without_all_to_all"] > 1e-2, f
 
 
+# one PPO step of train_ppo.py (tests/ulysses_train_worker.py): GAE with a critic, KL in the reward and
+# as a loss, an entropy bonus; 16 sequences in 2 mini-batches (2 optimizer steps) of 2 micro-batches
+# each; the demo's GQA Qwen2 (4 heads, 2 key-value heads); responses of varying length (EOS), so rows
+# of odd length are padded for the split
+STEP = ["--adv_estimator=gae", "--use_kl_in_reward=true", "--use_kl_loss=true", "--entropy_coeff=0.01",
+        "--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=4",
+        "--ppo_epochs=1", "--total_training_steps=1", "--max_response_length=6", "--val_files=",
+        "--test_freq=-1", "--save_freq=-1", "--rollout_engine=hf", "--mlflow_log_model=false", "--remove_padding=true"]
+# the step's figures that must not depend on how the sequences were split
+SAME_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
+                "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/explained_var",
+                "kl/mean", "reward/score_mean", "rollout/response_len_mean", "rollout/logprob_diff")
+
+
+def one_step(tmp_path, processes: int) -> Path:
+    out = tmp_path / f"sp{processes}"
+    out.mkdir()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=sqlite_uri(out))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", str(processes),
+           "--main_process_port", str(free_port()), str(ROOT / "tests" / "ulysses_train_worker.py"), str(out),
+           *STEP, f"--ulysses_sequence_parallel_size={processes}", f"--output_dir={out / 'run'}"]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return out
+
+
+@pytest.mark.slow
+def test_a_training_step_with_two_ranks_split_equals_one_unsplit(tmp_path):
+    """ulysses_sequence_parallel_size=2 on 2 processes (one data-parallel rank, one SP group) against
+    1 process without SP, same seed, same batch: the forward passes, the advantages, the losses, the
+    gradient norms (DeepSpeed averages over both ranks: each rank's share of the gradient must be
+    scaled so that the average is the whole gradient) and both models' weights after the step."""
+    one = torch.load(one_step(tmp_path, 1) / "rank0.pt")
+    out = one_step(tmp_path, 2)
+    two, other = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    for key, value in two["batch"].items():   # the group trained on one batch, on both ranks alike
+        assert torch.equal(value, other["batch"][key]), key
+    for key in ("input_ids", "attention_mask", "responses", "response_mask"):   # the same rollouts as sp=1
+        assert torch.equal(one["batch"][key], two["batch"][key]), key
+    mask = one["batch"]["response_mask"].bool()
+    figures = {key: float((one["batch"][key] - two["batch"][key])[mask].abs().max())
+               for key in ("old_logprob", "ref_logprob", "values", "advantages", "returns")}
+    # relative to figures above 1 (the gradient norms)
+    figures.update({key: abs(one["metrics"][key] - two["metrics"][key]) / max(1.0, abs(one["metrics"][key]))
+                    for key in SAME_METRICS})
+    for role in ("actor", "critic"):
+        a, b = one["weights"][role], two["weights"][role]
+        figures[f"{role}_weights"] = max(float((a[n] - b[n]).abs().max()) for n in a)
+        figures[f"{role}_moved"] = max(float((a[n] - w).abs().max()) for n, w in one["before"][role].items())
+    print(figures)
+    for key in ("old_logprob", "ref_logprob", "values", "advantages", "returns", *SAME_METRICS):
+        assert figures[key] < 1e-5, (key, figures)
+    for role in ("actor", "critic"):
+        assert figures[f"{role}_weights"] < 1e-6 < figures[f"{role}_moved"], figures
+
+
 def test_a_model_whose_heads_do_not_split_is_refused_at_load(tmp_path):
     from modeling import loading
     from test_bad_input_sources import tiny_llama
@@ -95,3 +159,35 @@ def test_a_model_whose_heads_do_not_split_is_refused_at_load(tmp_path):
     assert "2 attention heads and 2 key-value heads" in text, text
     loading.load_models(Config(adv_estimator="grpo", use_kl_in_reward=False, model_path=str(model),
                                ulysses_sequence_parallel_size=2))
+
+
+def test_dry_run_divides_activations_by_sp_and_names_the_sp_that_fits(capsys):
+    """--dry_run's table: with ulysses_sequence_parallel_size each rank holds 1/sp of a sequence's
+    activations and logits, nothing else changes; a run that does not fit for its activations
+    is told the smallest sp that makes it fit (one that divides the world and the heads)."""
+    from plumbing import preflight
+    llama = preflight.ModelShape(params=6_738_415_616, trainable=6_738_415_616, largest=131_072_000, hidden=4096,
+                                 layers=32, heads=32, kv_width=1024, intermediate=11008, vocab=32000, kv_heads=8)
+    plan = preflight.Plan(
+        actor=llama, critic=llama, ref=None, reward=None, worlds=[8], zero_stage=3, offload_optimizer=False,
+        offload_params=False, ref_offload=False, reward_offload=False, bf16=True, micro_batch=1, critic_micro_batch=1,
+        seq_len=65536, response_len=61440, gen_batch=1, gradient_checkpointing=True, critic_gradient_checkpointing=True,
+        engine="vllm", gpu_memory_utilization=0.1, kv_cache_gb=1.0, gpu_bytes=80 * 2**30, host_bytes=2**41,
+        local_ranks=8, baseline_bytes=0)
+    rows = {1: preflight.rows_for(plan, 8), 2: preflight.rows_for(dataclasses.replace(plan, sp=2), 8)}
+    for (what, one, _), (what_split, two, _) in zip(rows[1], rows[2]):
+        if "activations" in what or "logits" in what:
+            assert two == pytest.approx(one / 2) and "sequence-parallel" in what_split, (what, one, two)
+        else:
+            assert two == one and what == what_split, what
+    need = {sp: preflight.need(r)[0] for sp, r in rows.items()}
+    assert need[2] < need[1]
+    plan.gpu_bytes = int((need[1] + need[2]) / 2)   # fits with sp=2, not without
+    assert not preflight.report(plan)
+    out = capsys.readouterr().out
+    assert "ulysses_sequence_parallel_size=2 fits" in out, out
+    assert preflight.report(dataclasses.replace(plan, sp=2))
+    four = preflight.need(preflight.rows_for(dataclasses.replace(plan, sp=4), 8))[0]
+    assert preflight.sp_that_fits(plan, 8, four) == 4                  # 2 is too little, 3 does not divide 8 ranks
+    two_kv = dataclasses.replace(llama, kv_heads=2)                    # 2 key-value heads: sp 4 cannot split them
+    assert preflight.sp_that_fits(dataclasses.replace(plan, actor=two_kv), 8, four) is None

@@ -1,0 +1,63 @@
+"""One rank of tests/test_ulysses.py's training-step check, under `accelerate launch` (ZeRO-3, gloo).
+
+train_ppo.py's own setup() and train_step() run one PPO step (generate, score, the actor's, ref's
+and critic's forward passes, advantages, the critic's and the actor's update) with the options on
+the command line. The batch the update sees (old and ref log-probs, values, advantages, returns),
+the step's reduced metrics and the actor's and critic's full weights after the step go to
+<out_dir>/rank<N>.pt, for the test to hold a run with ulysses_sequence_parallel_size=2 on 2
+processes against one with 1 process and no sequence parallelism.
+
+    python -m accelerate.commands.launch --config_file accelerate_configs/zero3.yaml --num_processes 2 \
+        tests/ulysses_train_worker.py OUT_DIR --ulysses_sequence_parallel_size=2 ...
+
+train_ppo.py is a script that nothing imports (tests/test_layout.py); runpy runs it under another
+name than __main__, which gives its functions without its command line. This process never runs it
+as __main__, so there is one copy of it, as in a real run.
+"""
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def weights(run) -> dict:
+    """role -> {name: full tensor} of the trained models; every rank runs the ZeRO-3 gathers."""
+    import deepspeed
+    out = {}
+    for role, (model, _, _) in run.trained.items():
+        params = list(model.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            out[role] = {n: p.detach().cpu().clone() for n, p in params}
+    return out
+
+
+def main(out_dir: Path, argv: list[str]) -> None:
+    script = runpy.run_path(str(ROOT / "train_ppo.py"), run_name="train_ppo_step")
+    env = script["train_step"].__globals__          # the namespace the script's functions read
+    cfg = env["load_config"](argv)
+    run = env["setup"](cfg)
+    seen = {}
+    real_update_critic = env["update_critic"]
+
+    def update_critic(accelerator, critic, optim, batch, *args, **kwargs):   # the batch both updates see
+        seen.update({k: v.detach().cpu().clone() for k, v in batch.items()})
+        return real_update_critic(accelerator, critic, optim, batch, *args, **kwargs)
+
+    env["update_critic"] = update_critic
+    before = weights(run)
+    metrics = env["train_step"](run, 1)
+    rank = run.accelerator.process_index
+    torch.save({"batch": seen, "metrics": metrics, "weights": weights(run), "before": before},
+               out_dir / f"rank{rank}.pt")
+    print(f"rank {rank}: step done, actor/pg_loss={metrics['actor/pg_loss']:.6g}", flush=True)
+    run.tracker.finish("FINISHED", None, None)
+    run.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
