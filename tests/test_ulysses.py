@@ -46,6 +46,21 @@ def test_config_refuses_what_cannot_split():
     check_world_size(Config(), 2)
 
 
+def test_token_budgets_are_per_device_so_a_split_micro_batch_holds_sp_times_as_many():
+    """verl's rule (ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size): each device of the
+    group holds 1/sp of the micro-batch's tokens, so a sequence longer than one device's budget fits."""
+    from config import schedule
+    long = dict(use_dynamic_bsz=True, ppo_max_token_len_per_device=100, log_prob_max_token_len_per_device=300,
+                max_prompt_length=50, max_response_length=100)
+    with pytest.raises(UserError, match=r"actor's token budget 100 must hold one whole sequence"):
+        validate_config(Config(**long))
+    cfg = Config(**long, ulysses_sequence_parallel_size=2)
+    validate_config(cfg)
+    assert [schedule(cfg, role).max_tokens for role in ("actor", "critic", "log_prob")] == [200, 200, 600]
+    with pytest.raises(UserError, match=r"budget 300 \(per device x ulysses_sequence_parallel_size=3\) must hold"):
+        validate_config(Config(**{**long, "max_response_length": 300}, ulysses_sequence_parallel_size=3))
+
+
 def test_models_that_cannot_split_are_named():
     model = tiny(heads=4, kv=2)
     model.set_attn_implementation(packing.register())
