@@ -119,28 +119,29 @@ SAME_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/ppo_kl
                 "kl/mean", "reward/score_mean", "rollout/response_len_mean", "rollout/logprob_diff")
 
 
-def one_step(tmp_path, processes: int) -> Path:
-    out = tmp_path / f"sp{processes}"
+# the long-sequence recipe: activations recomputed in the backward pass (the all-to-alls run again
+# inside it) and micro-batches by a per-device token budget, which a group of 2 doubles: sp=2 with
+# 40 tokens per device forms the micro-batches that sp=1 forms with 80
+RECIPE = {1: ["--use_dynamic_bsz=true", "--ppo_max_token_len_per_device=80"],
+          2: ["--gradient_checkpointing=true", "--use_dynamic_bsz=true", "--ppo_max_token_len_per_device=40"]}
+
+
+def one_step(out: Path, processes: int, *extra: str) -> dict:
+    """tests/ulysses_train_worker.py on `processes` ranks, sp = processes -> rank -> what it saved."""
     out.mkdir()
     env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=sqlite_uri(out))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", str(processes),
            "--main_process_port", str(free_port()), str(ROOT / "tests" / "ulysses_train_worker.py"), str(out),
-           *STEP, f"--ulysses_sequence_parallel_size={processes}", f"--output_dir={out / 'run'}"]
+           *STEP, *extra, f"--ulysses_sequence_parallel_size={processes}", f"--output_dir={out / 'run'}"]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    return out
+    return {rank: torch.load(out / f"rank{rank}.pt") for rank in range(processes)}
 
 
-@pytest.mark.slow
-def test_a_training_step_with_two_ranks_split_equals_one_unsplit(tmp_path):
-    """ulysses_sequence_parallel_size=2 on 2 processes (one data-parallel rank, one SP group) against
-    1 process without SP, same seed, same batch: the forward passes, the advantages, the losses, the
-    gradient norms (DeepSpeed averages over both ranks: each rank's share of the gradient must be
-    scaled so that the average is the whole gradient) and both models' weights after the step."""
-    one = torch.load(one_step(tmp_path, 1) / "rank0.pt")
-    out = one_step(tmp_path, 2)
-    two, other = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+def split_against_unsplit(one: dict, two: dict) -> dict:
+    """The largest differences of the step's numbers between sp=1 (one[0]) and sp=2 (two[0], two[1])."""
+    (one,), (two, other) = one.values(), two.values()
     for key, value in two["batch"].items():   # the group trained on one batch, on both ranks alike
         assert torch.equal(value, other["batch"][key]), key
     for key in ("input_ids", "attention_mask", "responses", "response_mask"):   # the same rollouts as sp=1
@@ -155,11 +156,24 @@ def test_a_training_step_with_two_ranks_split_equals_one_unsplit(tmp_path):
         a, b = one["weights"][role], two["weights"][role]
         figures[f"{role}_weights"] = max(float((a[n] - b[n]).abs().max()) for n in a)
         figures[f"{role}_moved"] = max(float((a[n] - w).abs().max()) for n, w in one["before"][role].items())
-    print(figures)
-    for key in ("old_logprob", "ref_logprob", "values", "advantages", "returns", *SAME_METRICS):
-        assert figures[key] < 1e-5, (key, figures)
-    for role in ("actor", "critic"):
-        assert figures[f"{role}_weights"] < 1e-6 < figures[f"{role}_moved"], figures
+    return figures
+
+
+@pytest.mark.slow
+def test_a_training_step_with_two_ranks_split_equals_one_unsplit(tmp_path):
+    """ulysses_sequence_parallel_size=2 on 2 processes (one data-parallel rank, one SP group) against
+    1 process without SP, same seed, same batch: the forward passes, the advantages, the losses, the
+    gradient norms (DeepSpeed averages over both ranks: each rank's share of the gradient must be
+    scaled so that the average is the whole gradient) and both models' weights after the step; the
+    runs plain, and with the long-sequence recipe."""
+    for name, extra in (("plain", {1: [], 2: []}), ("recipe", RECIPE)):
+        figures = split_against_unsplit(one_step(tmp_path / f"sp1_{name}", 1, *extra[1]),
+                                        one_step(tmp_path / f"sp2_{name}", 2, *extra[2]))
+        print(name, figures)
+        for key in ("old_logprob", "ref_logprob", "values", "advantages", "returns", *SAME_METRICS):
+            assert figures[key] < 1e-5, (name, key, figures)
+        for role in ("actor", "critic"):
+            assert figures[f"{role}_weights"] < 1e-6 < figures[f"{role}_moved"], (name, figures)
 
 
 def test_a_model_whose_heads_do_not_split_is_refused_at_load(tmp_path):
