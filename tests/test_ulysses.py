@@ -87,7 +87,8 @@ def test_a_row_splits_into_equal_parts_with_the_row_boundaries():
 def test_two_ranks_split_equal_one_unsplit(tmp_path):
     """2 processes, sp=2, GQA (4 heads, 2 key-value heads), a packed row of 5 sequences padded to
     an even length: log-probs, entropy, top-k/top-p log-probs, gradients and a ZeRO-3 step's
-    weights against the unsplit pass (tests/ulysses_worker.py)."""
+    weights, a critic's values and a reward model's scores against the unsplit pass
+    (tests/ulysses_worker.py)."""
     out = tmp_path / "figures.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -97,7 +98,8 @@ def test_two_ranks_split_equal_one_unsplit(tmp_path):
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     f = json.loads(out.read_text())
-    for key in ("logprob", "entropy", "truncated", "zero3_logprob", "zero3_entropy", "zero3_truncated", "zero3_loss"):
+    for key in ("logprob", "entropy", "truncated", "values", "reward_scores", "zero3_logprob", "zero3_entropy",
+                "zero3_truncated", "zero3_loss"):
         assert f[key] < 1e-5, (key, f)
     assert f["grad_relative"] < 1e-5 and f["zero3_grad_relative"] < 1e-5, f
     assert f["zero3_weights"] < 1e-5 < f["weights_moved"], f
