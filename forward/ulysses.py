@@ -11,7 +11,7 @@ the rank's part, and a sum over the group puts the per-token numbers together, e
 exactly one rank, so they equal the unsplit pass's up to float rounding.
 
     ulysses.setup(2)                         # once, after the process group exists
-    with ulysses.sharded():                  # the packed attention goes through ALST here only
+    with ulysses.sharded():                  # no mask built; a split row's attention goes through ALST
         out = model(**part.model_inputs())   # part = ulysses.split(packed), this rank's positions
 
 In training (train_ppo.py) the world is data-parallel x sequence-parallel: an SP group is one
@@ -31,7 +31,8 @@ with several engines: it creates the SP groups on every call (the second prepare
 "sequence parallel group is already initialized") and replaces the attention function for every
 model in the process for good, generation included. So the groups are made once here
 (`parallel_state_sp.initialize_sequence_parallel`), and the packed attention's name dispatches to
-one `UlyssesSPAttentionHF` per architecture only inside `sharded()`.
+one `UlyssesSPAttentionHF` per architecture only for a split row (its positions fewer than its
+sequence boundaries cover); whole rows, padded batches and generation keep the plain attention.
 """
 from __future__ import annotations
 
@@ -45,7 +46,6 @@ _group = None          # this rank's SP process group (DeepSpeed's parallel_stat
 _size = 1
 _rank = 0
 _leader = 0            # the global rank of the group's first member, whose rollouts the group trains on
-_active = False
 _layers: dict = {}     # (heads, kv heads, head dim, layers) -> UlyssesSPAttentionHF
 
 
@@ -73,7 +73,7 @@ def from_leader(obj):
 
 def setup(sp_size: int) -> None:
     """Make the SP groups (consecutive ranks, as DeepSpeed lays them out) and route the packed
-    attention through ALST inside sharded(). Idempotent; sp_size 1 does nothing."""
+    attention of split rows through ALST. Idempotent; sp_size 1 does nothing."""
     global _group, _size, _rank, _leader
     if sp_size == 1 or _group is not None:
         return
@@ -104,20 +104,21 @@ def unsupported(model, sp_size: int) -> str | None:
 
 @contextmanager
 def sharded():
-    """While active, the packed attention runs through DeepSpeed's all-to-all over heads."""
-    global _active
+    """The forward of a split row (Part.model_inputs()): no mask built, the packed attention
+    routed through DeepSpeed's all-to-all over heads."""
     from transformers import AttentionInterface
     AttentionInterface.register(packing.NAME, _attention)   # again: loading a model re-registers packing's own
-    before, _active = _active, True
-    try:
-        with packing.attention():
-            yield
-    finally:
-        _active = before
+    with packing.attention():
+        yield
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
-    if not _active:
+    """query [b, heads, L, d]. A row's part holds fewer positions than its sequence boundaries
+    cover (cu_seq_lens_q[-1] = the whole row): that goes through ALST. Decided by the inputs, not
+    by being inside sharded(), because gradient checkpointing runs a layer's forward again in the
+    backward pass, after sharded() has exited."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if _size == 1 or cu is None or int(cu[-1]) == query.shape[2]:   # a whole row, or a padded batch
         return packing.packed_attention(module, query, key, value, attention_mask, **kwargs)
     return _ulysses(module.config)(module, query, key, value, None, **kwargs)
 

@@ -144,6 +144,8 @@ def one_step(out: Path, processes: int, *extra: str) -> dict:
 def split_against_unsplit(one: dict, two: dict) -> dict:
     """The largest differences of the step's numbers between sp=1 (one[0]) and sp=2 (two[0], two[1])."""
     (one,), (two, other) = one.values(), two.values()
+    # 2 layers x (old, ref, values, 2 x 2 critic and 2 x 2 actor micro-batches at least): split through ALST
+    assert one["alst_calls"] == 0 and two["alst_calls"] >= 2 * 11 and other["alst_calls"] == two["alst_calls"]
     for key, value in two["batch"].items():   # the group trained on one batch, on both ranks alike
         assert torch.equal(value, other["batch"][key]), key
     for key in ("input_ids", "attention_mask", "responses", "response_mask"):   # the same rollouts as sp=1

@@ -3,7 +3,8 @@
 train_ppo.py's own setup() and train_step() run one PPO step (generate, score, the actor's, ref's
 and critic's forward passes, advantages, the critic's and the actor's update) with the options on
 the command line. The batch the update sees (old and ref log-probs, values, advantages, returns),
-the step's reduced metrics and the actor's and critic's full weights after the step go to
+the step's reduced metrics, the actor's and critic's full weights after the step and how many
+attention layers ran through DeepSpeed's UlyssesSPAttentionHF go to
 <out_dir>/rank<N>.pt, for the test to hold a run with ulysses_sequence_parallel_size=2 on 2
 processes against one with 1 process and no sequence parallelism.
 
@@ -48,10 +49,19 @@ def main(out_dir: Path, argv: list[str]) -> None:
         return real_update_critic(accelerator, critic, optim, batch, *args, **kwargs)
 
     env["update_critic"] = update_critic
+    from forward import ulysses   # the same module the script's passes use
+    real_alst, alst_calls = ulysses._ulysses, []
+
+    def counting_alst(config):   # one call per attention layer of each split forward
+        alst_calls.append(1)
+        return real_alst(config)
+
+    ulysses._ulysses = counting_alst
     before = weights(run)
     metrics = env["train_step"](run, 1)
     rank = run.accelerator.process_index
-    torch.save({"batch": seen, "metrics": metrics, "weights": weights(run), "before": before},
+    torch.save({"batch": seen, "metrics": metrics, "weights": weights(run), "before": before,
+                "alst_calls": len(alst_calls)},
                out_dir / f"rank{rank}.pt")
     print(f"rank {rank}: step done, actor/pg_loss={metrics['actor/pg_loss']:.6g}", flush=True)
     run.tracker.finish("FINISHED", None, None)
