@@ -160,6 +160,7 @@ def split_against_unsplit(one: dict, two: dict) -> dict:
         a, b = one["weights"][role], two["weights"][role]
         figures[f"{role}_weights"] = max(float((a[n] - b[n]).abs().max()) for n in a)
         figures[f"{role}_moved"] = max(float((a[n] - w).abs().max()) for n, w in one["before"][role].items())
+    figures["alst_calls"] = two["alst_calls"]
     return figures
 
 
