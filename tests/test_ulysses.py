@@ -181,6 +181,36 @@ def test_a_training_step_with_two_ranks_split_equals_one_unsplit(tmp_path):
             assert figures[f"{role}_weights"] < 1e-6 < figures[f"{role}_moved"], (name, figures)
 
 
+def launch_run(tmp_path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """train_ppo.py itself on 2 ZeRO-3 processes, one sequence-parallel group of 2."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=sqlite_uri(tmp_path))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "2",
+           "--main_process_port", str(free_port()), str(ROOT / "train_ppo.py"), "--ulysses_sequence_parallel_size=2",
+           "--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=4",
+           "--save_freq=2", "--test_freq=2", "--mlflow_log_model=false", f"--output_dir={out}", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_a_resumed_split_run_matches_the_uninterrupted_one(tmp_path):
+    """sp=2 through train_ppo.py's own loop (validation, checkpoints, final model): 4 steps straight,
+    against 2 steps, then the same output_dir resumed to 4: the same numbers at every step."""
+    comparable = lambda out: [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
+                              for line in (out / "metrics.jsonl").read_text().splitlines()]
+    straight = launch_run(tmp_path, tmp_path / "straight", "--total_training_steps=4")
+    assert straight.returncode == 0, straight.stderr[-5000:]
+    first = launch_run(tmp_path, tmp_path / "resumed", "--total_training_steps=2")
+    assert first.returncode == 0, first.stderr[-5000:]
+    second = launch_run(tmp_path, tmp_path / "resumed", "--total_training_steps=4")
+    assert second.returncode == 0, second.stderr[-5000:]
+    assert "resuming from" in second.stdout
+    want = comparable(tmp_path / "straight")
+    assert [r["step"] for r in want] == [0, 1, 2, 3, 4] and "val/accuracy" in want[-1]
+    assert comparable(tmp_path / "resumed") == want
+    assert (tmp_path / "straight" / "final" / "model.safetensors").is_file()
+
+
 def test_a_model_whose_heads_do_not_split_is_refused_at_load(tmp_path):
     from modeling import loading
     from test_bad_input_sources import tiny_llama
