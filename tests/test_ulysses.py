@@ -128,40 +128,60 @@ RECIPE = {1: ["--use_dynamic_bsz=true", "--ppo_max_token_len_per_device=80"],
           2: ["--gradient_checkpointing=true", "--use_dynamic_bsz=true", "--ppo_max_token_len_per_device=40"]}
 
 
-def one_step(out: Path, processes: int, *extra: str) -> dict:
-    """tests/ulysses_train_worker.py on `processes` ranks, sp = processes -> rank -> what it saved."""
+def one_step(out: Path, processes: int, sp: int, *extra: str) -> dict:
+    """tests/ulysses_train_worker.py on `processes` ranks -> rank -> what it saved."""
     out.mkdir()
     env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=sqlite_uri(out))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", str(processes),
            "--main_process_port", str(free_port()), str(ROOT / "tests" / "ulysses_train_worker.py"), str(out),
-           *STEP, *extra, f"--ulysses_sequence_parallel_size={processes}", f"--output_dir={out / 'run'}"]
+           *STEP, *extra, f"--ulysses_sequence_parallel_size={sp}", f"--output_dir={out / 'run'}"]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return {rank: torch.load(out / f"rank{rank}.pt") for rank in range(processes)}
 
 
-def split_against_unsplit(one: dict, two: dict) -> dict:
-    """The largest differences of the step's numbers between sp=1 (one[0]) and sp=2 (two[0], two[1])."""
-    (one,), (two, other) = one.values(), two.values()
-    # 2 layers x (old, ref, values, 2 x 2 critic and 2 x 2 actor micro-batches at least): split through ALST
-    assert one["alst_calls"] == 0 and two["alst_calls"] >= 2 * 11 and other["alst_calls"] == two["alst_calls"]
-    for key, value in two["batch"].items():   # the group trained on one batch, on both ranks alike
-        assert torch.equal(value, other["batch"][key]), key
-    for key in ("input_ids", "attention_mask", "responses", "response_mask"):   # the same rollouts as sp=1
-        assert torch.equal(one["batch"][key], two["batch"][key]), key
-    mask = one["batch"]["response_mask"].bool()
-    figures = {key: float((one["batch"][key] - two["batch"][key])[mask].abs().max())
-               for key in ("old_logprob", "ref_logprob", "values", "advantages", "returns")}
-    # relative to figures above 1 (the gradient norms)
-    figures.update({key: abs(one["metrics"][key] - two["metrics"][key]) / max(1.0, abs(one["metrics"][key]))
-                    for key in SAME_METRICS})
-    for role in ("actor", "critic"):
-        a, b = one["weights"][role], two["weights"][role]
-        figures[f"{role}_weights"] = max(float((a[n] - b[n]).abs().max()) for n in a)
-        figures[f"{role}_moved"] = max(float((a[n] - w).abs().max()) for n, w in one["before"][role].items())
-    figures["alst_calls"] = two["alst_calls"]
+def split_against_unsplit(unsplit: dict, split: dict) -> dict:
+    """The largest differences of the step's numbers between sp=1 (rank d = data-parallel rank d)
+    and sp=2 (ranks 2d and 2d + 1: data-parallel rank d's group)."""
+    figures = {}
+    for d, one in unsplit.items():
+        two, other = split[2 * d], split[2 * d + 1]
+        # 2 layers x (old, ref, values, the critic's and the actor's update) at least: split through ALST
+        assert one["alst_calls"] == 0 and two["alst_calls"] >= 2 * 5 and other["alst_calls"] == two["alst_calls"]
+        for key, value in two["batch"].items():   # the group trained on one batch, on both ranks alike
+            assert torch.equal(value, other["batch"][key]), key
+        for key in ("input_ids", "attention_mask", "responses", "response_mask"):   # the same rollouts as sp=1
+            assert torch.equal(one["batch"][key], two["batch"][key]), (d, key)
+        mask = one["batch"]["response_mask"].bool()
+        mine = {key: float((one["batch"][key] - two["batch"][key])[mask].abs().max())
+                for key in ("old_logprob", "ref_logprob", "values", "advantages", "returns")}
+        # relative to figures above 1 (the gradient norms)
+        mine.update({key: abs(one["metrics"][key] - two["metrics"][key]) / max(1.0, abs(one["metrics"][key]))
+                     for key in SAME_METRICS})
+        for role in ("actor", "critic"):
+            a, b = one["grads"][role], two["grads"][role]
+            assert a.keys() == b.keys() and len(a) > 0
+            scale = max(float(g.abs().max()) for g in a.values())
+            mine[f"{role}_grad_relative"] = max(float((a[n] - b[n]).abs().max()) for n in a) / scale
+            a, b = one["weights"][role], two["weights"][role]
+            mine[f"{role}_weights"] = max(float((a[n] - b[n]).abs().max()) for n in a)
+            mine[f"{role}_moved"] = max(float((a[n] - w).abs().max()) for n, w in one["before"][role].items())
+        mine["alst_calls"] = two["alst_calls"]
+        figures = {k: max(v, figures.get(k, v)) for k, v in mine.items()}
     return figures
+
+
+def assert_split_equals_unsplit(name: str, figures: dict) -> None:
+    print(name, figures)
+    for key in ("old_logprob", "ref_logprob", "values", "advantages", "returns", "actor_grad_relative",
+                "critic_grad_relative", *SAME_METRICS):
+        assert figures[key] < 1e-5, (name, key, figures)
+    # AdamW's first steps move each weight by about lr x g / (|g| + 1e-8): elements whose gradient
+    # is near 1e-8 turn fp32 rounding into a sizeable part of lr (seen: 2.7e-6 with lr 5e-5 on 4
+    # ranks), so the weights are held to a tenth of the step, the gradients above to fp32
+    for role in ("actor", "critic"):
+        assert figures[f"{role}_weights"] < 0.1 * figures[f"{role}_moved"], (name, figures)
 
 
 @pytest.mark.slow
@@ -172,13 +192,17 @@ def test_a_training_step_with_two_ranks_split_equals_one_unsplit(tmp_path):
     scaled so that the average is the whole gradient) and both models' weights after the step; the
     runs plain, and with the long-sequence recipe."""
     for name, extra in (("plain", {1: [], 2: []}), ("recipe", RECIPE)):
-        figures = split_against_unsplit(one_step(tmp_path / f"sp1_{name}", 1, *extra[1]),
-                                        one_step(tmp_path / f"sp2_{name}", 2, *extra[2]))
-        print(name, figures)
-        for key in ("old_logprob", "ref_logprob", "values", "advantages", "returns", *SAME_METRICS):
-            assert figures[key] < 1e-5, (name, key, figures)
-        for role in ("actor", "critic"):
-            assert figures[f"{role}_weights"] < 1e-6 < figures[f"{role}_moved"], (name, figures)
+        assert_split_equals_unsplit(name, split_against_unsplit(one_step(tmp_path / f"sp1_{name}", 1, 1, *extra[1]),
+                                                                one_step(tmp_path / f"sp2_{name}", 2, 2, *extra[2])))
+
+
+@pytest.mark.slow
+def test_two_groups_split_equal_two_data_parallel_ranks_unsplit(tmp_path):
+    """4 processes, sp=2: two data-parallel ranks of one SP group each, against 2 processes without
+    SP (each data-parallel rank samples with seed + its index either way): each group's batch, the
+    whole-batch advantages (gathered from one rank per group), the losses, norms and weights."""
+    figures = split_against_unsplit(one_step(tmp_path / "sp1", 2, 1), one_step(tmp_path / "sp2", 4, 2))
+    assert_split_equals_unsplit("dp=2", figures)
 
 
 def launch_run(tmp_path, out: Path, *extra: str) -> subprocess.CompletedProcess:

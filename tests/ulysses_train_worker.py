@@ -3,7 +3,8 @@
 train_ppo.py's own setup() and train_step() run one PPO step (generate, score, the actor's, ref's
 and critic's forward passes, advantages, the critic's and the actor's update) with the options on
 the command line. The batch the update sees (old and ref log-probs, values, advantages, returns),
-the step's reduced metrics, the actor's and critic's full weights after the step and how many
+the step's reduced metrics, each model's gradient at its first optimizer step (as DeepSpeed
+reduced it over the ranks), the actor's and critic's full weights after the step and how many
 attention layers ran through DeepSpeed's UlyssesSPAttentionHF go to
 <out_dir>/rank<N>.pt, for the test to hold a run with ulysses_sequence_parallel_size=2 on 2
 processes against one with 1 process and no sequence parallelism.
@@ -57,11 +58,22 @@ def main(out_dir: Path, argv: list[str]) -> None:
         return real_alst(config)
 
     ulysses._ulysses = counting_alst
+    real_optimizer_step, grads = env["optimizer_step"], {}
+
+    def optimizer_step(model, optim, *args, **kwargs):   # the first step's gradient, reduced over the ranks
+        role = next(r for r, (m, _, _) in run.trained.items() if m is model)
+        if role not in grads:
+            from deepspeed.utils import safe_get_full_grad   # a collective under ZeRO-3: every rank is here
+            grads[role] = {n: g.detach().cpu().clone() for n, p in model.module.named_parameters()
+                           if (g := safe_get_full_grad(p)) is not None}
+        return real_optimizer_step(model, optim, *args, **kwargs)
+
+    env["optimizer_step"] = optimizer_step
     before = weights(run)
     metrics = env["train_step"](run, 1)
     rank = run.accelerator.process_index
     torch.save({"batch": seen, "metrics": metrics, "weights": weights(run), "before": before,
-                "alst_calls": len(alst_calls)},
+                "alst_calls": len(alst_calls), "grads": grads},
                out_dir / f"rank{rank}.pt")
     print(f"rank {rank}: step done, actor/pg_loss={metrics['actor/pg_loss']:.6g}", flush=True)
     run.tracker.finish("FINISHED", None, None)
