@@ -386,6 +386,10 @@ def validate_config(cfg: Config) -> None:
     need(sp >= 1, f"ulysses_sequence_parallel_size must be >= 1, got {sp}")
     need(sp == 1 or cfg.remove_padding, f"ulysses_sequence_parallel_size={sp} splits packed rows: it needs "
                                         "remove_padding=true")
+    need(sp == 1 or not (cfg.tools or cfg.environment),
+         f"ulysses_sequence_parallel_size={sp} with {'tools' if cfg.tools else 'environment'}: multi-turn rollouts are "
+         "not shared over a sequence-parallel group yet (each rank runs its own tool calls); set "
+         "ulysses_sequence_parallel_size=1")
     need(not cfg.activation_offload or cfg.gradient_checkpointing or critic_checkpointing(cfg),
          "activation_offload moves what checkpointed layers keep: it needs gradient_checkpointing (or "
          "critic_gradient_checkpointing)")
@@ -452,8 +456,11 @@ def validate_config(cfg: Config) -> None:
         need(cfg.train_batch_size % sched.mini_batch == 0,
              f"train_batch_size ({cfg.train_batch_size}) must be a multiple of {key} ({sched.mini_batch})")
         need(not cfg.use_dynamic_bsz or sched.max_tokens >= cfg.max_prompt_length + cfg.max_response_length,
-             f"{role}'s token budget {sched.max_tokens} must hold one whole sequence (max_prompt_length + "
-             f"max_response_length = {cfg.max_prompt_length + cfg.max_response_length})")
+             f"{role}'s token budget {sched.max_tokens}" + (f" (per device x ulysses_sequence_parallel_size="
+                                                            f"{cfg.ulysses_sequence_parallel_size})"
+                                                            if cfg.ulysses_sequence_parallel_size > 1 else "")
+             + f" must hold one whole sequence (max_prompt_length + max_response_length = "
+               f"{cfg.max_prompt_length + cfg.max_response_length})")
     need(cfg.adv_estimator == "gae" or cfg.rollout_n > 1 or cfg.adv_estimator == "reinforce_plus_plus",
          f"adv_estimator={cfg.adv_estimator} compares samples of one prompt: set rollout_n > 1 (got {cfg.rollout_n})")
     need(not (cfg.tools and cfg.environment), f"set tools or environment, not both (tools={cfg.tools!r}, "
@@ -511,21 +518,24 @@ class Schedule:
     mini_batch: int      # prompts per optimizer step (all ranks)
     micro_batch: int     # sequences per forward/backward on one device
     epochs: int
-    max_tokens: int      # use_dynamic_bsz: tokens per micro-batch; 0 = by sequence count
+    max_tokens: int      # use_dynamic_bsz: tokens per micro-batch of a data-parallel rank; 0 = by sequence count
 
 
 def schedule(cfg: Config, role: str) -> Schedule:
     """role: actor | critic | log_prob (the no-grad log-prob passes' token budget). A critic_ or
-    log_prob_ key left at None takes the actor's value."""
+    log_prob_ key left at None takes the actor's value. The token budgets are per device: a
+    micro-batch split over a sequence-parallel group holds ulysses_sequence_parallel_size times as
+    many tokens (verl's ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size)."""
+    sp = cfg.ulysses_sequence_parallel_size
     if role == "log_prob":
         budget = cfg.log_prob_max_token_len_per_device or cfg.ppo_max_token_len_per_device
         return Schedule(cfg.ppo_mini_batch_size, cfg.log_prob_micro_batch_size_per_device or
-                        cfg.ppo_micro_batch_size_per_device, 1, budget if cfg.use_dynamic_bsz else 0)
+                        cfg.ppo_micro_batch_size_per_device, 1, budget * sp if cfg.use_dynamic_bsz else 0)
     def own(key):
         value = getattr(cfg, f"critic_{key}") if role == "critic" else None
         return getattr(cfg, key) if value is None else value
     return Schedule(own("ppo_mini_batch_size"), own("ppo_micro_batch_size_per_device"), own("ppo_epochs"),
-                    own("ppo_max_token_len_per_device") if cfg.use_dynamic_bsz else 0)
+                    own("ppo_max_token_len_per_device") * sp if cfg.use_dynamic_bsz else 0)
 
 
 def critic_checkpointing(cfg: Config) -> bool:

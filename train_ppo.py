@@ -43,6 +43,7 @@ from distribution.reductions import (any_over_ranks, gather_rows, max_over_ranks
 from errors import UserError
 from forward.batch import (forward_in_micro_batches, is_truncated, micro_batches, mini_batches, pack_batch,
                            sampler_logprobs, select, to_device)
+from forward import ulysses
 from forward.readouts import _unwrap, critic_values, response_logprobs
 from modeling.loading import load_models, recompute_activations
 from plumbing import config_docs, console, flops, host_memory, lean_imports
@@ -126,7 +127,7 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
     redoes the mini-batch with smaller micro-batches, its partial gradients dropped (oom.py)."""
     stats = Stats()
     sched = schedule(cfg, "actor")
-    mini = sched.mini_batch * cfg.rollout_n // accelerator.num_processes
+    mini = sched.mini_batch * cfg.rollout_n // ulysses.data_parallel(accelerator)[0]   # per data-parallel rank
     agree = max_over_ranks(accelerator)
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
@@ -182,7 +183,7 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
 def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast, ds: bool, *, oom) -> dict:
     stats = Stats()
     sched = schedule(cfg, "critic")
-    mini = sched.mini_batch * cfg.rollout_n // accelerator.num_processes
+    mini = sched.mini_batch * cfg.rollout_n // ulysses.data_parallel(accelerator)[0]   # per data-parallel rank
     agree = max_over_ranks(accelerator)
 
     def mini_batch(mb: dict) -> Stats:
@@ -276,11 +277,12 @@ def validation_share(n: int, world: int, rank: int) -> tuple[list[int], int]:
 def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet, tools=None) -> tuple[dict, dict]:
     """Greedy (by default) generation on this rank's share of the validation prompts; scores are
     summed over ranks, so the figures cover the whole validation set."""
-    idx, real = validation_share(len(val.ids), accelerator.num_processes, accelerator.process_index)
+    idx, real = validation_share(len(val.ids), *ulysses.data_parallel(accelerator))
     mine = val.take(idx)
     params = SamplingParams(n=1, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_response_length)
     out = tools.generate(engine, mine, params, any_over_ranks(accelerator)) if tools else engine.generate(mine.ids, params)
+    out = ulysses.from_leader(out)   # a reward model's split pass needs the group's ranks on one batch
     responses = out.responses
     batch = to_device(out.batch(tokenizer.pad_token_id) if tools else pack_batch(mine.ids, responses, tokenizer.pad_token_id),
                       accelerator.device)
@@ -301,9 +303,10 @@ def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet, 
 def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group_ids, valid) -> dict:
     """Phase 4 on the whole batch (gathered from all ranks): KL in the reward, the controller
     update, advantages with whitening over every valid token of the step; returns this rank's rows.
-    N ranks x B/N prompts thus give the statistics of 1 rank x B prompts."""
+    N ranks x B/N prompts thus give the statistics of 1 rank x B prompts (gather_rows takes one
+    rank of each sequence-parallel group)."""
     rows, R = token_scores.shape
-    start = accelerator.process_index * rows
+    start = ulysses.data_parallel(accelerator)[1] * rows
     full = {k: gather_rows(accelerator, v) for k, v in
             {"scores": token_scores, "mask": batch["response_mask"], "old": batch["old_logprob"],
              "ref": batch.get("ref_logprob", batch["old_logprob"]),
@@ -318,7 +321,7 @@ def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group
             token_rewards = shaped
             kl_ctrl.update(current_kl.item(), n_steps=full["scores"].shape[0])
         metrics = {"kl/mean": current_kl.item(), "kl/coef": beta if cfg.use_kl_in_reward else 0.0}
-    all_valid = accelerator.gather(valid.float()) > 0                                             # [B]
+    all_valid = gather_rows(accelerator, valid.float()) > 0                                       # [B]
     adv, returns = compute_advantages(cfg, token_rewards, full["values"], full["mask"], group_ids, all_valid)
     if cfg.adv_estimator == "gae":
         metrics["critic/explained_var"] = explained_variance(returns, full["values"], full["mask"]).item()
@@ -378,8 +381,10 @@ def setup(cfg: Config) -> Run:
     from accelerate.utils import set_seed
 
     accelerator, ds = make_accelerator(cfg)
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world = accelerator.num_processes
     check_world_size(cfg, world)
+    ulysses.setup(cfg.ulysses_sequence_parallel_size)   # the sequence-parallel groups, before any model
+    dp, dp_rank = ulysses.data_parallel(accelerator)
     if accelerator.is_main_process:
         for note in config_warnings(cfg):
             print(f"warning: {note}", file=sys.stderr, flush=True)
@@ -407,11 +412,11 @@ def setup(cfg: Config) -> Run:
                                       cfg.reward_fn, keep_rows=tools is not None)
     train, val = read(cfg.train_files), (read(cfg.val_files) if cfg.val_files else None)
     steps = total_steps(cfg, len(train.ids))
-    sft = SFTStream(load_sft(cfg, tokenizer), sft_batch_size(cfg, world), cfg.seed, rank, world,
+    sft = SFTStream(load_sft(cfg, tokenizer), sft_batch_size(cfg, dp), cfg.seed, dp_rank, dp,
                     tokenizer.pad_token_id) if cfg.sft_files else None
     (actor, actor_optim, actor_sched, critic, critic_optim, critic_sched, ref,
      scorer.reward_model) = prepare_models(accelerator, ds, cfg, actor, critic, ref, reward_model, steps)
-    set_seed(cfg.seed + rank)   # each rank samples differently; data order uses cfg.seed alone
+    set_seed(cfg.seed + dp_rank)   # each data-parallel rank samples differently; data order uses cfg.seed alone
     trained = {"actor": (actor, actor_optim, actor_sched)}
     if critic is not None:
         trained["critic"] = (critic, critic_optim, critic_sched)
@@ -518,6 +523,7 @@ def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, ag
             rollout = run.tools.generate(engine, prompts, sampling, any_over_ranks(run.accelerator))
         else:
             rollout = engine.generate(run.train.take(idx).ids, sampling)
+        rollout = ulysses.from_leader(rollout)   # one set of rollouts per sequence-parallel group
         engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
     with timed(times, "score"):
         # multi-turn: response_mask is 0 at tool tokens (no policy loss, KL, entropy, value or advantage)
@@ -656,7 +662,8 @@ def rollout_metrics(run: Run, data: Rollouts, batch: dict, drift: float, regener
         "rollout/response_len_mean": mask.sum(-1).mean().item(),
         "rollout/truncated_frac": data.truncated.float().mean().item(),
         "rollout/logprob_diff": drift,
-        "perf/tokens": batch["attention_mask"].sum().item() * run.accelerator.num_processes,   # mean over ranks: a sum
+        # the mean over ranks makes it a sum over the data-parallel ranks (an SP group holds one batch)
+        "perf/tokens": batch["attention_mask"].sum().item() * ulysses.data_parallel(run.accelerator)[0],
     }
     if run.scorer.is_verifier:
         metrics["reward/accuracy"] = (scores >= 1.0).float().mean().item()
@@ -682,12 +689,13 @@ def train_step(run: Run, step: int) -> dict:
     over ranks, with the time of each phase."""
     cfg, accelerator, engine = run.cfg, run.accelerator, run.engine
     device, world = accelerator.device, accelerator.num_processes
+    dp, dp_rank = ulysses.data_parallel(accelerator)   # a sequence-parallel group is one data-parallel rank
     times: dict = {}
     step_start = time.perf_counter()
     temperature = run.guards.temperature   # entropy_floor may have changed it
     run.oom.start_step(step)
-    per_rank = cfg.train_batch_size // world
-    share = lambda: run.stream.next()[accelerator.process_index * per_rank:][:per_rank]   # noqa: E731
+    per_rank = cfg.train_batch_size // dp
+    share = lambda: run.stream.next()[dp_rank * per_rank:][:per_rank]   # noqa: E731
     idx = share()                                                                  # this rank's prompts
     group_ids = torch.arange(cfg.train_batch_size, device=device).repeat_interleave(cfg.rollout_n)  # [B] all ranks
 
@@ -708,7 +716,8 @@ def train_step(run: Run, step: int) -> dict:
     with timed(times, "forward"):
         metrics = rewards_and_advantages(cfg, accelerator, run.kl_ctrl, batch, token_scores, group_ids, valid)
         if cfg.use_pf_ppo:   # PF-PPO: the update sees this rank's rollouts redrawn by their scores (with replacement)
-            batch = select(batch, pf_ppo_resample(token_scores.sum(-1), cfg.pf_ppo_reweight_method, cfg.pf_ppo_weight_pow))
+            batch = select(batch, ulysses.from_leader(pf_ppo_resample(token_scores.sum(-1), cfg.pf_ppo_reweight_method,
+                                                                      cfg.pf_ppo_weight_pow)))
 
     # 5 update: critic, then actor (after critic_warmup steps)
     updates: dict = {}   # each model's share of the update's time, for perf/mfu
@@ -738,7 +747,7 @@ def train_step(run: Run, step: int) -> dict:
     with timed(times, "log"):
         metrics.update({**rollout_metrics(run, data, batch, drift, regenerated, temperature), **filtered})
         if run.peak_flops:
-            metrics.update(model_flops_utilisation(run, batch, updates, world))
+            metrics.update(model_flops_utilisation(run, batch, updates, dp))
         metrics = reduce_metrics(accelerator, {**metrics, **times})
     metrics.update(times)   # this rank's own clock, so the phases add up to its step
     metrics["time/step_s"] = time.perf_counter() - step_start
@@ -749,10 +758,11 @@ def train_step(run: Run, step: int) -> dict:
     return metrics
 
 
-def model_flops_utilisation(run: Run, batch: dict, updates: dict, world: int) -> dict:
+def model_flops_utilisation(run: Run, batch: dict, updates: dict, dp: int) -> dict:
     """perf/mfu/actor and perf/mfu/critic: each update's model FLOPs (flops.py) over its time at the
     device's peak; perf/flops: the step's model FLOPs on all ranks (perf/mfu once the step's time is
-    known). Generation counts as one forward pass of the actor; the SFT mix is not counted."""
+    known). Generation counts as one forward pass of the actor; the SFT mix is not counted. A
+    sequence-parallel group shares one batch's work: dp batches in all, 1/sp of one on each rank."""
     lens = batch["attention_mask"].sum(-1)                                        # [b]
     forward = {role: flops.forward(shape, lens) for role, shape in run.shapes.items()}
     trained = {role: 3 * forward[role] * schedule(run.cfg, role).epochs for role in ("actor", "critic")
@@ -761,8 +771,9 @@ def model_flops_utilisation(run: Run, batch: dict, updates: dict, world: int) ->
     done += forward.get("ref", forward["actor"]) if "ref_logprob" in batch else 0.0   # a LoRA actor's base is the ref
     done += forward["critic"] if "values" in batch else 0.0
     done += forward.get("reward", 0.0)
-    out = {f"perf/mfu/{role}": f / (updates[f"time/{role}_s"] * run.peak_flops) for role, f in trained.items()}
-    return {**out, "perf/flops": done * world}   # the mean over ranks makes it a sum
+    sp = ulysses.size()
+    out = {f"perf/mfu/{role}": f / sp / (updates[f"time/{role}_s"] * run.peak_flops) for role, f in trained.items()}
+    return {**out, "perf/flops": done * dp}   # the mean over ranks makes it a sum
 
 
 def validate_and_log(run: Run, step: int, metrics: dict, bar, postfix: dict) -> None:

@@ -29,17 +29,18 @@ def make_accelerator(cfg: Config):
 
 
 def check_world_size(cfg: Config, world: int) -> None:
-    for key in ("train_batch_size", "ppo_mini_batch_size", "critic_ppo_mini_batch_size", "sft_batch_size"):
-        if getattr(cfg, key) is not None and getattr(cfg, key) % world:
-            raise UserError(f"{key}={getattr(cfg, key)} is not divisible by the {world} processes: change {key} "
-                            f"or num_processes")
+    """Batch sizes split over the data-parallel ranks: world / ulysses_sequence_parallel_size (the
+    ranks of one sequence-parallel group hold the same sequences)."""
     sp = cfg.ulysses_sequence_parallel_size
     if world % sp:
         raise UserError(f"ulysses_sequence_parallel_size={sp} does not divide the {world} processes (world = "
                         f"data-parallel x sequence-parallel): change it or num_processes")
-    if sp > 1:   # forward/ulysses.py runs the sharded log-prob pass; the script does not call it yet
-        raise UserError(f"ulysses_sequence_parallel_size={sp}: train_ppo.py does not run sharded passes yet "
-                        "(issue 23: the forward is built, the script's wiring is not); set it to 1")
+    dp = world // sp
+    ranks = f"the {dp} data-parallel ranks ({world} processes / ulysses_sequence_parallel_size={sp})" if sp > 1 \
+        else f"the {world} processes"
+    for key in ("train_batch_size", "ppo_mini_batch_size", "critic_ppo_mini_batch_size", "sft_batch_size"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) % dp:
+            raise UserError(f"{key}={getattr(cfg, key)} is not divisible by {ranks}: change {key} or num_processes")
     tp = cfg.rollout_tensor_model_parallel_size
     if tp > 1 and not torch.cuda.is_available():
         raise UserError(f"rollout_tensor_model_parallel_size={tp}: vLLM tensor parallelism needs GPUs and this machine "

@@ -6,6 +6,8 @@ import zlib
 
 import torch
 
+from forward import ulysses
+
 
 def _over_ranks(accelerator, pick):
     def agree(count: int) -> int:
@@ -38,8 +40,14 @@ def median_over_ranks(accelerator, values) -> float:
 
 
 def gather_rows(accelerator, t):
-    """Every rank's [b, R_rank] rows -> the whole batch [B, R_max] on every rank, in rank order."""
-    return accelerator.gather(accelerator.pad_across_processes(t, dim=1))
+    """Every data-parallel rank's [b, R_rank] (or [b]) rows -> the whole batch [B, R_max] (or [B]) on
+    every rank, in rank order. The ranks of a sequence-parallel group hold the same rows: the
+    group's first rank stands for it."""
+    rows = accelerator.gather(accelerator.pad_across_processes(t, dim=1) if t.dim() > 1 else t)   # [world * b, ...]
+    sp = ulysses.size()
+    if sp == 1:
+        return rows
+    return rows.view(-1, sp, t.shape[0], *rows.shape[1:])[:, 0].reshape(-1, *rows.shape[1:])     # [dp * b, ...]
 
 
 def reduce_metrics(accelerator, metrics: dict) -> dict:

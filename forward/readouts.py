@@ -204,6 +204,9 @@ def _scaled(logits, temperature: float):
 
 def critic_values(critic, batch: dict):
     """V(s_t) for the state before each response token -> [B, R]."""
+    if ulysses.size() > 1:
+        packed = packing.pack(batch)
+        return _sharded_per_position(critic, packed, packed.response_index)[..., 0]       # [B, R]
     R = batch["responses"].shape[1]
     packed = _packed(critic, batch)
     out = _forward(critic, batch, packed)
@@ -217,6 +220,9 @@ def reward_model_scores(reward_model, batch: dict):
     (the attention mask), where it was trained to score -> [B]. Hugging Face's sequence
     classifiers find that token through pad_token_id instead, which with pad == EOS reads the
     token before the EOS; so the head's per-token output is taken from a hook."""
+    if ulysses.size() > 1:
+        packed = packing.pack(batch)
+        return _sharded_per_position(reward_model, packed, packed.last_index)[..., 0]      # [B]
     head = _unwrap(reward_model).score                                            # the classifier head
     captured = []
     hook = head.register_forward_hook(lambda module, args, out: captured.append(out))
@@ -232,3 +238,18 @@ def reward_model_scores(reward_model, batch: dict):
     positions = torch.arange(mask.shape[1], device=mask.device)                   # [W]
     last = (positions * mask).argmax(-1)                                          # [B]
     return per_token[torch.arange(mask.shape[0], device=mask.device), last]      # [B]
+
+
+def _sharded_per_position(model, packed: packing.Packed, index: torch.Tensor) -> torch.Tensor:
+    """A value or reward model's per-position output [1, T, k] at the row positions index [...],
+    with the row split over the sequence-parallel group -> [..., k] on every rank of the group
+    (each position's number from the rank holding it; see _sharded_logprobs)."""
+    part = ulysses.split(packed)
+    flat = index.reshape(-1)                                                      # [N]
+    mine = part.mine(flat)                                                        # [N]
+    with ulysses.sharded():
+        out = model(**part.model_inputs(), use_cache=False).logits[0]             # [L, k]
+    values = out[flat[mine] - part.start].float()                                 # [n, k]
+    k = values.shape[-1]
+    full = ulysses.combine(values.reshape(-1), mine[:, None].expand(-1, k).reshape(-1))   # [N * k]
+    return full.view(*index.shape, k)

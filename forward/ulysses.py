@@ -11,8 +11,19 @@ the rank's part, and a sum over the group puts the per-token numbers together, e
 exactly one rank, so they equal the unsplit pass's up to float rounding.
 
     ulysses.setup(2)                         # once, after the process group exists
-    with ulysses.sharded():                  # the packed attention goes through ALST here only
+    with ulysses.sharded():                  # no mask built; a split row's attention goes through ALST
         out = model(**part.model_inputs())   # part = ulysses.split(packed), this rank's positions
+
+In training (train_ppo.py) the world is data-parallel x sequence-parallel: an SP group is one
+data-parallel rank (data_parallel()), its ranks take the same prompts, train on the rollouts of its
+first rank (from_leader()), and run every pass that sees whole sequences split: the actor's and
+the reference's log-probs and entropy, the critic's values, the reward model's scores, the update
+(forward/readouts.py). The per-token numbers are whole on every rank after combine(), so losses,
+their denominators and the metrics are sp=1's. Gradients: every rank back-propagates the same loss,
+and combine()'s backward sums the group's upstream gradients, so a rank's parameters get sp times
+the share of its own positions; DeepSpeed (which is not told about the groups) averages over the
+whole world, dp x sp ranks: sum over ranks of sp x share / (dp x sp) is the data-parallel mean of
+the whole-sequence gradients, as with sp=1 (tests/test_ulysses.py checks the numbers).
 
 DeepSpeed's own entry point, `UlyssesSPAttentionHF.register_with_transformers` (and Accelerate's
 `ParallelismConfig(sp_backend="deepspeed")`, which calls it on every `prepare`), does not fit a run
@@ -20,7 +31,8 @@ with several engines: it creates the SP groups on every call (the second prepare
 "sequence parallel group is already initialized") and replaces the attention function for every
 model in the process for good, generation included. So the groups are made once here
 (`parallel_state_sp.initialize_sequence_parallel`), and the packed attention's name dispatches to
-one `UlyssesSPAttentionHF` per architecture only inside `sharded()`.
+one `UlyssesSPAttentionHF` per architecture only for a split row (its positions fewer than its
+sequence boundaries cover); whole rows, padded batches and generation keep the plain attention.
 """
 from __future__ import annotations
 
@@ -33,7 +45,7 @@ from forward import packing
 _group = None          # this rank's SP process group (DeepSpeed's parallel_state_sp)
 _size = 1
 _rank = 0
-_active = False
+_leader = 0            # the global rank of the group's first member, whose rollouts the group trains on
 _layers: dict = {}     # (heads, kv heads, head dim, layers) -> UlyssesSPAttentionHF
 
 
@@ -41,10 +53,28 @@ def size() -> int:
     return _size
 
 
+def data_parallel(accelerator) -> tuple[int, int]:
+    """(data-parallel size, this rank's data-parallel index): the world is data-parallel x
+    sequence-parallel, the ranks of one SP group are consecutive and count as one data-parallel
+    rank. Batch sizes, prompt shares and token budgets are per data-parallel rank, as in verl."""
+    return accelerator.num_processes // _size, accelerator.process_index // _size
+
+
+def from_leader(obj):
+    """obj as the group's first rank has it, on every rank of the SP group (a collective of the
+    group; sp 1: obj itself). The group trains on one set of rollouts, so whatever a rank draws
+    for itself (samples, a resampling) is taken from one rank, not trusted to come out the same."""
+    if _size == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=_leader, group=_group)   # pickled; NCCL: via the current GPU
+    return box[0]
+
+
 def setup(sp_size: int) -> None:
     """Make the SP groups (consecutive ranks, as DeepSpeed lays them out) and route the packed
-    attention through ALST inside sharded(). Idempotent; sp_size 1 does nothing."""
-    global _group, _size, _rank
+    attention of split rows through ALST. Idempotent; sp_size 1 does nothing."""
+    global _group, _size, _rank, _leader
     if sp_size == 1 or _group is not None:
         return
     import deepspeed
@@ -53,6 +83,7 @@ def setup(sp_size: int) -> None:
     mpu.initialize_sequence_parallel(sequence_parallel_size=sp_size)
     _group, _size, _rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_world_size(), \
         mpu.get_sequence_parallel_rank()
+    _leader = torch.distributed.get_rank() - _rank   # groups are consecutive ranks
     from transformers import AttentionInterface
     packing.register()
     AttentionInterface.register(packing.NAME, _attention)
@@ -73,20 +104,21 @@ def unsupported(model, sp_size: int) -> str | None:
 
 @contextmanager
 def sharded():
-    """While active, the packed attention runs through DeepSpeed's all-to-all over heads."""
-    global _active
+    """The forward of a split row (Part.model_inputs()): no mask built, the packed attention
+    routed through DeepSpeed's all-to-all over heads."""
     from transformers import AttentionInterface
     AttentionInterface.register(packing.NAME, _attention)   # again: loading a model re-registers packing's own
-    before, _active = _active, True
-    try:
-        with packing.attention():
-            yield
-    finally:
-        _active = before
+    with packing.attention():
+        yield
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
-    if not _active:
+    """query [b, heads, L, d]. A row's part holds fewer positions than its sequence boundaries
+    cover (cu_seq_lens_q[-1] = the whole row): that goes through ALST. Decided by the inputs, not
+    by being inside sharded(), because gradient checkpointing runs a layer's forward again in the
+    backward pass, after sharded() has exited."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if _size == 1 or cu is None or int(cu[-1]) == query.shape[2]:   # a whole row, or a padded batch
         return packing.packed_attention(module, query, key, value, attention_mask, **kwargs)
     return _ulysses(module.config)(module, query, key, value, None, **kwargs)
 

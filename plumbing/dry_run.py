@@ -65,7 +65,9 @@ def dry_run(cfg: Config) -> bool:
         ref=shape("ref_model_path", cfg.ref_model_path or cfg.model_path, "causal")
         if kl_ref and not cfg.lora_rank else None,
         reward=shape("reward_model_path", cfg.reward_model_path, "reward") if cfg.reward_model_path else None,
-        worlds=[world] + [w for w in (1, 8) if w != world], zero_stage=stage,
+        # the other world sizes shown: those the sequence-parallel groups divide
+        worlds=[world] + [w for w in (1, 8) if w != world and w % cfg.ulysses_sequence_parallel_size == 0],
+        zero_stage=stage, sp=cfg.ulysses_sequence_parallel_size,
         offload_optimizer=offload["optimizer"], offload_params=offload["param"],
         ref_offload=cfg.ref_offload, reward_offload=cfg.reward_offload, bf16=cfg.dtype == "bf16",
         micro_batch=schedule(cfg, "actor").micro_batch, critic_micro_batch=schedule(cfg, "critic").micro_batch,

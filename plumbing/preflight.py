@@ -14,7 +14,9 @@ The figures are estimates of the largest terms, stated per component so they can
   6 x hidden + 2 x kv width + 4 x intermediate values, plus on CPU 2 x heads x length attention
   scores (PyTorch's CPU attention keeps them; the GPU's fused kernels do not); with gradient checkpointing only each layer's input, plus
   one layer's full set. The logits of a micro-batch (response positions only x vocabulary, fp32)
-  three times over: the logits, the softmax's workspace, their gradient.
+  three times over: the logits, the softmax's workspace, their gradient. With Ulysses sequence
+  parallelism (ulysses_sequence_parallel_size = sp) each rank holds 1/sp of every sequence's
+  positions, and its attention all heads / sp over the whole sequence: activations and logits / sp.
 - generation: the hf engine's KV cache, and under ZeRO-3 the whole actor it gathers on every rank
   for the rollout (its full weights, not a shard); vLLM's share (gpu_memory_utilization of the GPU, or its
   weights plus rollout_kv_cache_gb on CPU), which on a GPU coexists with the model states during
@@ -25,7 +27,7 @@ The figures are estimates of the largest terms, stated per component so they can
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 GiB = 2**30
 
@@ -41,6 +43,7 @@ class ModelShape:
     kv_width: int          # key/value projection width (kv heads x head dim)
     intermediate: int
     vocab: int
+    kv_heads: int = 0      # key/value heads (0: as many as attention heads)
 
 
 @dataclass
@@ -71,6 +74,7 @@ class Plan:
     local_ranks: int                  # ranks sharing this machine (and, on CPU, its memory)
     baseline_bytes: int               # the process before any model loads
     notes: list[str] = field(default_factory=list)
+    sp: int = 1                       # ulysses_sequence_parallel_size: ranks sharing each sequence
 
 
 def model_shape(path: str, kind: str, lora_rank: int = 0, lora_targets: str = "all-linear") -> ModelShape:
@@ -99,7 +103,8 @@ def model_shape(path: str, kind: str, lora_rank: int = 0, lora_targets: str = "a
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return ModelShape(total, trainable, max(p.numel() for p in params.values()), text.hidden_size,
                       text.num_hidden_layers, heads, getattr(text, "num_key_value_heads", heads) * head_dim,
-                      getattr(text, "intermediate_size", 4 * text.hidden_size), text.vocab_size)
+                      getattr(text, "intermediate_size", 4 * text.hidden_size), text.vocab_size,
+                      getattr(text, "num_key_value_heads", None) or heads)
 
 
 def rows_for(plan: Plan, world: int) -> list[tuple[str, float, str]]:
@@ -124,6 +129,7 @@ def rows_for(plan: Plan, world: int) -> list[tuple[str, float, str]]:
         if m is not None:
             rows.append((f"{name} weights", shard(m.params * frozen_b, 3), "host" if off and z == 3 else device))
     act_b = 2 if plan.bf16 else 4
+    split = " per rank of a sequence-parallel group" if plan.sp > 1 else ""
     for name, m, micro, ckpt_on in (("actor", plan.actor, plan.micro_batch, plan.gradient_checkpointing),
                                     ("critic", plan.critic, plan.critic_micro_batch, plan.critic_gradient_checkpointing)):
         if m is None:
@@ -133,12 +139,14 @@ def rows_for(plan: Plan, world: int) -> list[tuple[str, float, str]]:
         per_layer = tokens * (6 * m.hidden + 2 * m.kv_width + 4 * m.intermediate + scores) * act_b
         full = per_layer * m.layers
         ckpt = tokens * m.hidden * act_b * m.layers + per_layer
-        rows.append((f"{name} activations, one micro-batch" + (" (checkpointed)" if ckpt_on else ""),
+        full, ckpt = full / plan.sp, ckpt / plan.sp   # each rank: 1/sp of the positions (all heads / sp of them)
+        rows.append((f"{name} activations, one micro-batch" + (" (checkpointed)" if ckpt_on else "") + split,
                      ckpt if ckpt_on else full, device))
         if not ckpt_on:
             rows.append((f"  (with gradient_checkpointing: {ckpt / GiB:.2f} GiB)", 0.0, device))
         if name == "actor":
-            rows.append(("actor logits, one micro-batch", 3 * micro * (plan.response_len + 1) * m.vocab * 4, device))
+            rows.append(("actor logits, one micro-batch" + split,
+                         3 * micro * (plan.response_len + 1) * m.vocab * 4 / plan.sp, device))
     a = plan.actor
     if plan.engine == "hf":
         kv = 2 * plan.gen_batch * plan.seq_len * a.layers * a.kv_width * act_b
@@ -179,7 +187,8 @@ def report(plan: Plan) -> bool:
     names = [what for what, _, _ in tables[plan.worlds[0]]]
     zero = "no DeepSpeed" if plan.zero_stage is None else f"ZeRO-{plan.zero_stage}" + (
         ", optimizer offload" if plan.offload_optimizer else "") + (", parameter offload" if plan.offload_params else "")
-    print(f"memory per rank, GiB ({zero}; {'bf16' if plan.bf16 else 'fp32'}; sequences of {plan.seq_len} tokens)")
+    split = f", each split over {plan.sp} ranks (ulysses_sequence_parallel_size)" if plan.sp > 1 else ""
+    print(f"memory per rank, GiB ({zero}; {'bf16' if plan.bf16 else 'fp32'}; sequences of {plan.seq_len} tokens{split})")
     width = max(len(n) for n in names) + 2
     print(" " * width + "".join(f"{f'{w} rank' + ('s' if w > 1 else ''):>12}" for w in plan.worlds))
     for i, name in enumerate(names):
@@ -202,9 +211,25 @@ def report(plan: Plan) -> bool:
         print(f"does not fit: {device_need / GiB:.2f} GiB needed per rank, {available / GiB:.2f} available")
         for advice in _advice(tables[world], plan):
             print(f"  - {advice}")
+        sp = sp_that_fits(plan, world, available)
+        if sp:
+            print(f"  - ulysses_sequence_parallel_size={sp} fits: {need(rows_for(replace(plan, sp=sp), world))[0] / GiB:.2f}"
+                  f" GiB per rank (each sequence split over {sp} ranks; world = data-parallel x {sp})")
     for note in plan.notes:
         print(f"note: {note}")
     return fits
+
+
+def sp_that_fits(plan: Plan, world: int, available: float) -> int | None:
+    """The smallest ulysses_sequence_parallel_size above plan.sp that makes the run fit on `world`
+    ranks, or None: it must divide the world and every model's attention and key-value heads."""
+    models = [m for m in (plan.actor, plan.critic, plan.ref, plan.reward) if m is not None]
+    for sp in range(plan.sp + 1, world + 1):
+        if world % sp or any(m.heads % sp or (m.kv_heads or m.heads) % sp for m in models):
+            continue
+        if need(rows_for(replace(plan, sp=sp), world))[0] <= available:
+            return sp
+    return None
 
 
 def _advice(rows, plan: Plan) -> list[str]:

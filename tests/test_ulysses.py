@@ -1,5 +1,6 @@
 """Ulysses sequence parallelism (forward/ulysses.py, DeepSpeed's ALST): the split pass equals the
 unsplit one, and what cannot work is refused in one line naming the key."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from distribution.prepare import check_world_size
 from errors import UserError
 from forward import packing, ulysses
 from forward.batch import pack_batch
+from mlflow_store import sqlite_uri
 from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,10 +35,30 @@ def test_config_refuses_what_cannot_split():
         validate_config(Config(ulysses_sequence_parallel_size=2, remove_padding=False))
     with pytest.raises(UserError, match=r"ulysses_sequence_parallel_size=2 does not divide the 3 processes"):
         check_world_size(Config(ulysses_sequence_parallel_size=2, train_batch_size=6, ppo_mini_batch_size=6), 3)
-    # until train_ppo.py calls the split passes, a run with it is refused rather than run unsplit
-    with pytest.raises(UserError, match=r"ulysses_sequence_parallel_size=2: train_ppo.py does not run"):
-        check_world_size(Config(ulysses_sequence_parallel_size=2), 2)
+    with pytest.raises(UserError, match=r"ulysses_sequence_parallel_size=2 with tools: multi-turn rollouts"):
+        validate_config(Config(ulysses_sequence_parallel_size=2, tools="rollout.tools.builtin:calculator"))
+    # batch sizes split over the data-parallel ranks: world / sp
+    with pytest.raises(UserError, match=r"train_batch_size=3 is not divisible by the 2 data-parallel ranks \(4 "
+                                        r"processes / ulysses_sequence_parallel_size=2\)"):
+        check_world_size(Config(ulysses_sequence_parallel_size=2, train_batch_size=3, ppo_mini_batch_size=3), 4)
+    check_world_size(Config(ulysses_sequence_parallel_size=2, train_batch_size=3, ppo_mini_batch_size=3), 2)
+    check_world_size(Config(ulysses_sequence_parallel_size=2), 2)
     check_world_size(Config(), 2)
+
+
+def test_token_budgets_are_per_device_so_a_split_micro_batch_holds_sp_times_as_many():
+    """verl's rule (ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size): each device of the
+    group holds 1/sp of the micro-batch's tokens, so a sequence longer than one device's budget fits."""
+    from config import schedule
+    long = dict(use_dynamic_bsz=True, ppo_max_token_len_per_device=100, log_prob_max_token_len_per_device=300,
+                max_prompt_length=50, max_response_length=100)
+    with pytest.raises(UserError, match=r"actor's token budget 100 must hold one whole sequence"):
+        validate_config(Config(**long))
+    cfg = Config(**long, ulysses_sequence_parallel_size=2)
+    validate_config(cfg)
+    assert [schedule(cfg, role).max_tokens for role in ("actor", "critic", "log_prob")] == [200, 200, 600]
+    with pytest.raises(UserError, match=r"budget 300 \(per device x ulysses_sequence_parallel_size=3\) must hold"):
+        validate_config(Config(**{**long, "max_response_length": 300}, ulysses_sequence_parallel_size=3))
 
 
 def test_models_that_cannot_split_are_named():
@@ -65,7 +87,8 @@ def test_a_row_splits_into_equal_parts_with_the_row_boundaries():
 def test_two_ranks_split_equal_one_unsplit(tmp_path):
     """2 processes, sp=2, GQA (4 heads, 2 key-value heads), a packed row of 5 sequences padded to
     an even length: log-probs, entropy, top-k/top-p log-probs, gradients and a ZeRO-3 step's
-    weights against the unsplit pass (tests/ulysses_worker.py)."""
+    weights, a critic's values and a reward model's scores against the unsplit pass
+    (tests/ulysses_worker.py)."""
     out = tmp_path / "figures.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -75,12 +98,141 @@ def test_two_ranks_split_equal_one_unsplit(tmp_path):
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     f = json.loads(out.read_text())
-    for key in ("logprob", "entropy", "truncated", "zero3_logprob", "zero3_entropy", "zero3_truncated", "zero3_loss"):
+    for key in ("logprob", "entropy", "truncated", "values", "reward_scores", "zero3_logprob", "zero3_entropy",
+                "zero3_truncated", "zero3_loss"):
         assert f[key] < 1e-5, (key, f)
     assert f["grad_relative"] < 1e-5 and f["zero3_grad_relative"] < 1e-5, f
     assert f["zero3_weights"] < 1e-5 < f["weights_moved"], f
     # the test can fail: each rank attending only within its own half of the row is far off
     assert f["without_all_to_all"] > 1e-2, f
+
+
+# one PPO step of train_ppo.py (tests/ulysses_train_worker.py): GAE with a critic, KL in the reward and
+# as a loss, an entropy bonus; 16 sequences in 2 mini-batches (2 optimizer steps) of 2 micro-batches
+# each; the demo's GQA Qwen2 (4 heads, 2 key-value heads); responses of varying length (EOS), so rows
+# of odd length are padded for the split
+STEP = ["--adv_estimator=gae", "--use_kl_in_reward=true", "--use_kl_loss=true", "--entropy_coeff=0.01",
+        "--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=4",
+        "--ppo_epochs=1", "--total_training_steps=1", "--max_response_length=6", "--val_files=",
+        "--test_freq=-1", "--save_freq=-1", "--rollout_engine=hf", "--mlflow_log_model=false", "--remove_padding=true"]
+# the step's figures that must not depend on how the sequences were split
+SAME_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
+                "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/explained_var",
+                "kl/mean", "reward/score_mean", "rollout/response_len_mean", "rollout/logprob_diff")
+
+
+# the long-sequence recipe: activations recomputed in the backward pass (the all-to-alls run again
+# inside it) and micro-batches by a per-device token budget, which a group of 2 doubles: sp=2 with
+# 40 tokens per device forms the micro-batches that sp=1 forms with 80
+RECIPE = {1: ["--use_dynamic_bsz=true", "--ppo_max_token_len_per_device=80"],
+          2: ["--gradient_checkpointing=true", "--use_dynamic_bsz=true", "--ppo_max_token_len_per_device=40"]}
+
+
+def one_step(out: Path, processes: int, sp: int, *extra: str) -> dict:
+    """tests/ulysses_train_worker.py on `processes` ranks -> rank -> what it saved."""
+    out.mkdir()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=sqlite_uri(out))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", str(processes),
+           "--main_process_port", str(free_port()), str(ROOT / "tests" / "ulysses_train_worker.py"), str(out),
+           *STEP, *extra, f"--ulysses_sequence_parallel_size={sp}", f"--output_dir={out / 'run'}"]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return {rank: torch.load(out / f"rank{rank}.pt") for rank in range(processes)}
+
+
+def split_against_unsplit(unsplit: dict, split: dict) -> dict:
+    """The largest differences of the step's numbers between sp=1 (rank d = data-parallel rank d)
+    and sp=2 (ranks 2d and 2d + 1: data-parallel rank d's group)."""
+    figures = {}
+    for d, one in unsplit.items():
+        two, other = split[2 * d], split[2 * d + 1]
+        # 2 layers x (old, ref, values, the critic's and the actor's update) at least: split through ALST
+        assert one["alst_calls"] == 0 and two["alst_calls"] >= 2 * 5 and other["alst_calls"] == two["alst_calls"]
+        for key, value in two["batch"].items():   # the group trained on one batch, on both ranks alike
+            assert torch.equal(value, other["batch"][key]), key
+        for key in ("input_ids", "attention_mask", "responses", "response_mask"):   # the same rollouts as sp=1
+            assert torch.equal(one["batch"][key], two["batch"][key]), (d, key)
+        mask = one["batch"]["response_mask"].bool()
+        mine = {key: float((one["batch"][key] - two["batch"][key])[mask].abs().max())
+                for key in ("old_logprob", "ref_logprob", "values", "advantages", "returns")}
+        # relative to figures above 1 (the gradient norms)
+        mine.update({key: abs(one["metrics"][key] - two["metrics"][key]) / max(1.0, abs(one["metrics"][key]))
+                     for key in SAME_METRICS})
+        for role in ("actor", "critic"):
+            a, b = one["grads"][role], two["grads"][role]
+            assert a.keys() == b.keys() and len(a) > 0
+            scale = max(float(g.abs().max()) for g in a.values())
+            mine[f"{role}_grad_relative"] = max(float((a[n] - b[n]).abs().max()) for n in a) / scale
+            a, b = one["weights"][role], two["weights"][role]
+            mine[f"{role}_weights"] = max(float((a[n] - b[n]).abs().max()) for n in a)
+            mine[f"{role}_moved"] = max(float((a[n] - w).abs().max()) for n, w in one["before"][role].items())
+        mine["alst_calls"] = two["alst_calls"]
+        figures = {k: max(v, figures.get(k, v)) for k, v in mine.items()}
+    return figures
+
+
+def assert_split_equals_unsplit(name: str, figures: dict) -> None:
+    print(name, figures)
+    for key in ("old_logprob", "ref_logprob", "values", "advantages", "returns", "actor_grad_relative",
+                "critic_grad_relative", *SAME_METRICS):
+        assert figures[key] < 1e-5, (name, key, figures)
+    # AdamW's first steps move each weight by about lr x g / (|g| + 1e-8): elements whose gradient
+    # is near 1e-8 turn fp32 rounding into a sizeable part of lr (seen: 2.7e-6 with lr 5e-5 on 4
+    # ranks), so the weights are held to a tenth of the step, the gradients above to fp32
+    for role in ("actor", "critic"):
+        assert figures[f"{role}_weights"] < 0.1 * figures[f"{role}_moved"], (name, figures)
+
+
+@pytest.mark.slow
+def test_a_training_step_with_two_ranks_split_equals_one_unsplit(tmp_path):
+    """ulysses_sequence_parallel_size=2 on 2 processes (one data-parallel rank, one SP group) against
+    1 process without SP, same seed, same batch: the forward passes, the advantages, the losses, the
+    gradient norms (DeepSpeed averages over both ranks: each rank's share of the gradient must be
+    scaled so that the average is the whole gradient) and both models' weights after the step; the
+    runs plain, and with the long-sequence recipe."""
+    for name, extra in (("plain", {1: [], 2: []}), ("recipe", RECIPE)):
+        assert_split_equals_unsplit(name, split_against_unsplit(one_step(tmp_path / f"sp1_{name}", 1, 1, *extra[1]),
+                                                                one_step(tmp_path / f"sp2_{name}", 2, 2, *extra[2])))
+
+
+@pytest.mark.slow
+def test_two_groups_split_equal_two_data_parallel_ranks_unsplit(tmp_path):
+    """4 processes, sp=2: two data-parallel ranks of one SP group each, against 2 processes without
+    SP (each data-parallel rank samples with seed + its index either way): each group's batch, the
+    whole-batch advantages (gathered from one rank per group), the losses, norms and weights."""
+    figures = split_against_unsplit(one_step(tmp_path / "sp1", 2, 1), one_step(tmp_path / "sp2", 4, 2))
+    assert_split_equals_unsplit("dp=2", figures)
+
+
+def launch_run(tmp_path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """train_ppo.py itself on 2 ZeRO-3 processes, one sequence-parallel group of 2."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=sqlite_uri(tmp_path))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "2",
+           "--main_process_port", str(free_port()), str(ROOT / "train_ppo.py"), "--ulysses_sequence_parallel_size=2",
+           "--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=4",
+           "--save_freq=2", "--test_freq=2", "--mlflow_log_model=false", f"--output_dir={out}", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_a_resumed_split_run_matches_the_uninterrupted_one(tmp_path):
+    """sp=2 through train_ppo.py's own loop (validation, checkpoints, final model): 4 steps straight,
+    against 2 steps, then the same output_dir resumed to 4: the same numbers at every step."""
+    comparable = lambda out: [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
+                              for line in (out / "metrics.jsonl").read_text().splitlines()]
+    straight = launch_run(tmp_path, tmp_path / "straight", "--total_training_steps=4")
+    assert straight.returncode == 0, straight.stderr[-5000:]
+    first = launch_run(tmp_path, tmp_path / "resumed", "--total_training_steps=2")
+    assert first.returncode == 0, first.stderr[-5000:]
+    second = launch_run(tmp_path, tmp_path / "resumed", "--total_training_steps=4")
+    assert second.returncode == 0, second.stderr[-5000:]
+    assert "resuming from" in second.stdout
+    want = comparable(tmp_path / "straight")
+    assert [r["step"] for r in want] == [0, 1, 2, 3, 4] and "val/accuracy" in want[-1]
+    assert comparable(tmp_path / "resumed") == want
+    assert (tmp_path / "straight" / "final" / "model.safetensors").is_file()
 
 
 def test_a_model_whose_heads_do_not_split_is_refused_at_load(tmp_path):
@@ -95,3 +247,35 @@ def test_a_model_whose_heads_do_not_split_is_refused_at_load(tmp_path):
     assert "2 attention heads and 2 key-value heads" in text, text
     loading.load_models(Config(adv_estimator="grpo", use_kl_in_reward=False, model_path=str(model),
                                ulysses_sequence_parallel_size=2))
+
+
+def test_dry_run_divides_activations_by_sp_and_names_the_sp_that_fits(capsys):
+    """--dry_run's table: with ulysses_sequence_parallel_size each rank holds 1/sp of a sequence's
+    activations and logits, nothing else changes; a run that does not fit for its activations
+    is told the smallest sp that makes it fit (one that divides the world and the heads)."""
+    from plumbing import preflight
+    llama = preflight.ModelShape(params=6_738_415_616, trainable=6_738_415_616, largest=131_072_000, hidden=4096,
+                                 layers=32, heads=32, kv_width=1024, intermediate=11008, vocab=32000, kv_heads=8)
+    plan = preflight.Plan(
+        actor=llama, critic=llama, ref=None, reward=None, worlds=[8], zero_stage=3, offload_optimizer=False,
+        offload_params=False, ref_offload=False, reward_offload=False, bf16=True, micro_batch=1, critic_micro_batch=1,
+        seq_len=65536, response_len=61440, gen_batch=1, gradient_checkpointing=True, critic_gradient_checkpointing=True,
+        engine="vllm", gpu_memory_utilization=0.1, kv_cache_gb=1.0, gpu_bytes=80 * 2**30, host_bytes=2**41,
+        local_ranks=8, baseline_bytes=0)
+    rows = {1: preflight.rows_for(plan, 8), 2: preflight.rows_for(dataclasses.replace(plan, sp=2), 8)}
+    for (what, one, _), (what_split, two, _) in zip(rows[1], rows[2]):
+        if "activations" in what or "logits" in what:
+            assert two == pytest.approx(one / 2) and "sequence-parallel" in what_split, (what, one, two)
+        else:
+            assert two == one and what == what_split, what
+    need = {sp: preflight.need(r)[0] for sp, r in rows.items()}
+    assert need[2] < need[1]
+    plan.gpu_bytes = int((need[1] + need[2]) / 2)   # fits with sp=2, not without
+    assert not preflight.report(plan)
+    out = capsys.readouterr().out
+    assert "ulysses_sequence_parallel_size=2 fits" in out, out
+    assert preflight.report(dataclasses.replace(plan, sp=2))
+    four = preflight.need(preflight.rows_for(dataclasses.replace(plan, sp=4), 8))[0]
+    assert preflight.sp_that_fits(plan, 8, four) == 4                  # 2 is too little, 3 does not divide 8 ranks
+    two_kv = dataclasses.replace(llama, kv_heads=2)                    # 2 key-value heads: sp 4 cannot split them
+    assert preflight.sp_that_fits(dataclasses.replace(plan, actor=two_kv), 8, four) is None

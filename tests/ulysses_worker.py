@@ -3,7 +3,7 @@
 Both ranks hold the same GQA model (4 heads, 2 key-value heads) and the same micro-batch. First,
 before any sequence parallelism exists, each computes the unsplit numbers (sp=1, the default
 path): per-token log-probs, entropy and top-k/top-p log-probs, the gradients of a PPO-like loss,
-and one SGD step's weights. Then, with sp=2 (forward/ulysses.py), the same from the row split
+one SGD step's weights, and a value model's values and reward-model scores. Then, with sp=2 (forward/ulysses.py), the same from the row split
 over both ranks: with the model replicated (the chunked LM head), and as a ZeRO-3 engine (the
 model's own logits; weights after engine.step()). Rank 0 writes the largest differences to the
 JSON file named on the command line, and what the split gives without DeepSpeed's all-to-all
@@ -24,6 +24,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM                 # noqa: E
 
 from forward import packing, readouts, ulysses                         # noqa: E402
 from forward.batch import pack_batch                                   # noqa: E402
+from modeling import value_models                                      # noqa: E402
 
 TEMPERATURE, TRUNCATION, LR = 0.7, (5, 0.9), 1.0
 # SGD, not AdamW: Adam's first step is lr * g / (|g| + eps), which turns fp32 rounding of gradients near
@@ -38,6 +39,17 @@ def make_model():
     model = Qwen2ForCausalLM(config).float().eval()
     model.set_attn_implementation(packing.register())
     model.head_transform = readouts.head_transform(model)[0]
+    return model
+
+
+def make_value_model():
+    """A critic (or reward model) of the same GQA shape: the backbone and a one-output head."""
+    torch.manual_seed(2)
+    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         attn_implementation="sdpa", num_labels=1)
+    model = value_models.from_config(config).float().eval()
+    model.set_attn_implementation(packing.register())
     return model
 
 
@@ -85,6 +97,9 @@ def main(out_path):
     optim.step()
     ref_weights = {n: p.detach().clone() for n, p in stepped.named_parameters()}
     model.zero_grad()
+    critic = make_value_model()
+    with torch.no_grad():
+        ref_values, ref_scores = readouts.critic_values(critic, batch), readouts.reward_model_scores(critic, batch)
 
     ulysses.setup(2)
     figures = {}
@@ -92,6 +107,10 @@ def main(out_path):
     with torch.no_grad():
         lp, ent, trunc = readouts.response_logprobs(model, batch, TEMPERATURE, with_entropy=True, truncation=TRUNCATION)
     figures.update(logprob=maxdiff(lp, ref_lp), entropy=maxdiff(ent, ref_ent), truncated=maxdiff(trunc, ref_trunc))
+    # the critic's values at the response positions, a reward model's score at each sequence's last token
+    with torch.no_grad():
+        figures.update(values=maxdiff(readouts.critic_values(critic, batch), ref_values),
+                       reward_scores=maxdiff(readouts.reward_model_scores(critic, batch), ref_scores))
     loss_of(model, batch).backward()
     # each rank holds its positions' share of the gradient, times the group size (every rank
     # back-propagates the same combined loss): the sum over ranks / 2 is the whole gradient
