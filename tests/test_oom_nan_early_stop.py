@@ -8,6 +8,7 @@ fed in through sitecustomize (the repo's way of injecting faults from outside th
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -140,8 +141,8 @@ torch.autograd.backward = backward
 def test_nan_clip_reaction_tightens_clipping_until_a_clean_stretch_and_resumes(tmp_path):
     """Steps 1 and 3 are skipped (NaN gradients): clipping is 0.5 from step 2, the skip at step 3
     starts the clean stretch again (no flapping back to 1.0 at step 4), and after 2 clean steps
-    (4 and 5) step 6 clips at 1.0 again. Stopped after step 3 and resumed (without the injection,
-    which only touched steps 1 and 3), the run carries on in the same state."""
+    (4 and 5) step 6 clips at 1.0 again. Resumed from its own step-3 checkpoint (without the
+    injection, which only touched steps 1 and 3), the run carries on in the same state."""
     (tmp_path / "sitecustomize.py").write_text(NAN_GRADIENTS)
     react = ["--adv_estimator=grpo", "--use_kl_in_reward=false", "--nan_clip_reaction=true",
              "--nan_clip_clean_steps=2", *RUN]
@@ -157,9 +158,11 @@ def test_nan_clip_reaction_tightens_clipping_until_a_clean_stretch_and_resumes(t
     assert [r["guard/nan_clip_reaction"] for r in logged] == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
     assert whole.stderr.count("(nan_clip_reaction)") == 2   # on once, off once
     split = tmp_path / "split"
-    assert sub(3, split, True).returncode == 0
+    shutil.copytree(tmp_path / "whole", split)
+    shutil.rmtree(split / "checkpoints" / "step_6")   # as if stopped after step 3
     resumed = sub(6, split, False)
-    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, tail(resumed)
+    assert resumed.returncode == 0, tail(resumed)
+    assert f"resuming from {split / 'checkpoints' / 'step_3'}" in resumed.stdout, tail(resumed)
     assert same(records(split)) == same(logged)
     assert [r["guard/max_grad_norm"] for r in records(split)] == [1.0, 0.5, 0.5, 0.5, 0.5, 1.0]
 

@@ -109,24 +109,27 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, reference):
     proc = run(tmp_path, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert comparable(records(out)) == comparable(reference)
+    # save_total_limit=2 counts the checkpoints from before the resume too
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_4", "step_6"]
 
 
 @pytest.mark.slow
-def test_partial_and_corrupted_checkpoints_are_skipped_with_a_warning(tmp_path, reference):
+def test_partial_and_corrupted_checkpoints_are_skipped_with_a_warning(tmp_path, reference_dir, reference):
+    """The uninterrupted run's checkpoints (steps 4 and 6) with step 6 spoilt twice over: its state
+    file never landed, and a save of it was interrupted mid-write. The run resumes from step 4 and
+    logs the uninterrupted run's steps 5 and 6 again."""
     out = tmp_path / "out"
-    proc = run(tmp_path, out, "--total_training_steps=4")   # checkpoints at steps 2 and 4
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(reference_dir, out)
     ckpts = out / "checkpoints"
-    # a save interrupted mid-write, and a step directory whose state file never landed
-    shutil.copytree(ckpts / "step_4", ckpts / ".tmp_step_6")
-    (ckpts / "step_4" / "trainer_state.json").unlink()
+    shutil.copytree(ckpts / "step_6", ckpts / ".tmp_step_6")
+    (ckpts / "step_6" / "trainer_state.json").unlink()
     proc = run(tmp_path, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "skipping incomplete checkpoint" in proc.stderr and "step_4" in proc.stderr
-    assert "skipping partial checkpoint" in proc.stderr
-    assert "resuming from" in proc.stdout and "step_2" in proc.stdout
+    assert f"skipping incomplete checkpoint {ckpts / 'step_6'}" in proc.stderr
+    assert f"skipping partial checkpoint {ckpts / '.tmp_step_6'}" in proc.stderr
+    assert f"resuming from {ckpts / 'step_4'}" in proc.stdout
     assert comparable(records(out)) == comparable(reference)
-    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_4", "step_6"]   # save_total_limit=2
+    assert sorted(p.name for p in ckpts.glob("*step_*")) == ["step_4", "step_6"]
 
 
 @pytest.mark.slow
@@ -207,16 +210,16 @@ def test_checkpoint_file_carrying_a_pickled_callable_is_refused(tmp_path, refere
 
 @pytest.mark.slow
 def test_the_last_step_is_checkpointed_and_a_longer_run_is_said_in_the_log(tmp_path, reference):
-    """save_freq=4 over 6 steps saves steps 4 and 6 (verl saves the last step too). Resuming with a
+    """save_freq=2 over 3 steps saves steps 2 and 3 (verl saves the last step too). Resuming with a
     larger total_training_steps under the constant schedule continues, and says so."""
     out = tmp_path / "out"
-    proc = run(tmp_path, out, "--save_freq=4", "--total_training_steps=5")
+    proc = run(tmp_path, out, "--total_training_steps=3")   # save_freq=2
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_4", "step_5"]
-    proc = run(tmp_path, out, "--save_freq=4")   # total_training_steps=6
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
+    proc = run(tmp_path, out, "--total_training_steps=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "total_training_steps changed from 5 to 6" in proc.stdout
-    assert [r["step"] for r in records(out)] == list(range(7))
+    assert "total_training_steps changed from 3 to 4" in proc.stdout
+    assert [r["step"] for r in records(out)] == list(range(5))
 
 
 def test_a_different_length_under_the_cosine_schedule_is_refused_naming_the_key(tmp_path):
@@ -255,14 +258,17 @@ def test_a_checkpoint_from_before_a_key_existed_resumes_at_that_keys_default(tmp
 
 @pytest.mark.slow
 def test_vllm_resume_samples_what_the_uninterrupted_run_samples(tmp_path, vllm_run):
-    """The vLLM engine's per-request seed counter is in the checkpoint: 2 steps, stop, resume to 3
-    gives the uninterrupted 3-step run's numbers (same machine, same layout: exactly). The
-    uninterrupted run is test_e2e's shared vLLM run (conftest.vllm_run), validation included."""
+    """The vLLM engine's per-request seed counter is in the checkpoint: resumed from its own step-2
+    checkpoint, the uninterrupted 3-step run samples step 3 again with the same numbers (same
+    machine, same layout: exactly). The uninterrupted run is test_e2e's shared vLLM run
+    (conftest.vllm_run), a checkpoint every step."""
     from test_e2e import VLLM_RUN
     _, full, proc = vllm_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for steps in (2, 3):
-        proc = run(tmp_path, tmp_path / "part", *VLLM_RUN, f"--total_training_steps={steps}")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resuming from" in proc.stdout
-    assert comparable(records(tmp_path / "part")) == comparable(records(full))
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "checkpoints" / "step_3")   # as if killed before step 3's checkpoint
+    proc = run(tmp_path, part, *VLLM_RUN)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming from {part / 'checkpoints' / 'step_2'}" in proc.stdout
+    assert comparable(records(part)) == comparable(records(full))

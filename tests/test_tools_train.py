@@ -350,9 +350,12 @@ def test_final_answer_score_reads_the_last_assistant_turn():
 # --- runaway code and kills, with the python executor ---------------------------------------------
 
 PYTHON = "rollout.tools.builtin:python"
+# Only the hang meets the clock. The flood meets the output limit and the growth the memory limit
+# (its first GiB is past 512 MB: refused at once, without touching memory that a loaded machine
+# could take longer to fill than the timeout), so their errors never depend on the machine's load.
 RUNAWAY = [("Hang.", [call_text("python", {"code": "import time\ntime.sleep(3600)"})]),
            ("Flood.", [call_text("python", {"code": "while True:\n    print('x' * 1000)"})]),
-           ("Grow.", [call_text("python", {"code": "x = []\nwhile True:\n    x.append(bytearray(2**24))"})])]
+           ("Grow.", [call_text("python", {"code": "x = []\nwhile True:\n    x.append(bytearray(2**30))"})])]
 
 
 @pytest.fixture(scope="module")
@@ -411,13 +414,20 @@ def test_runaway_tool_code_is_stopped_and_the_run_goes_on(runaway_dir, tmp_path)
 def test_sigkill_then_resume_with_tools_matches_the_uninterrupted_run(runaway_dir, tmp_path):
     """tests/test_resume.py's kill, with the python tool: sampled at temperature 0.7 (the trajectories
     vary and depend on the restored RNG), the tool's outputs (errors included) are deterministic given
-    the code, so the resumed run logs the uninterrupted run's numbers, step for step, exactly."""
+    the code, so the resumed run logs the uninterrupted run's numbers, step for step, exactly.
+    Deterministic given the code only where no outcome hinges on the clock: the flood and the growth
+    (stopped by the output and memory limits), not the hang, and a timeout of 30 s, far past the
+    time any code sampled from them runs before a limit stops it."""
     import random
     import signal
     import time
-    model_path, data = runaway_dir
+    model_path, _ = runaway_dir
+    data = tmp_path / "limited.jsonl"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": q}] for q, _ in RUNAWAY if q != "Hang."]}).to_json(
+        data, orient="records", lines=True)
     extra = ["--total_training_steps=4", "--save_freq=1", "--save_total_limit=2", "--test_freq=-1",
-             "--temperature=0.7"]
+             "--temperature=0.7", "--tool_timeout_s=30", "--train_batch_size=2", "--ppo_mini_batch_size=2",
+             "--ppo_micro_batch_size_per_device=2"]
 
     def command(out):
         return [sys.executable, str(SCRIPT), *runaway_args(model_path, data, out, *extra)]
