@@ -120,11 +120,19 @@ def test_zero3_two_processes_with_vllm(zero3_run):
     assert records[2]["kl/mean"] > 1e-4   # far above rounding: the actor moved
 
 
-@pytest.mark.parametrize("config", ["zero2", "zero3_offload"])
-def test_other_repository_configs_train(tmp_path, config):
+def test_zero2_config_trains(tmp_path):
     out = tmp_path / "out"
-    proc = launch(tmp_path, ROOT / "accelerate_configs" / f"{config}.yaml", f"--output_dir={out}", *RUN,
-                  "--ref_offload=true")
+    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero2.yaml", f"--output_dir={out}", *RUN, "--ref_offload=true")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(math.isfinite(v) for r in records for v in r.values())
+
+
+def test_zero3_offload_config_trains(uneven_run):
+    """accelerate_configs/zero3_offload.yaml (parameters and optimizer state offloaded) with
+    ref_offload: read from the uneven-work run with 3 validation prompts, launched with it."""
+    out, proc = uneven_run(3)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -140,30 +148,54 @@ def skewed_prompts(n: int, batch: int, seed: int, world: int) -> list[str]:
     return [(" " * 26 if i in rank0 else "") + f"{i % 9 + 1}+{i % 7 + 1}=" for i in range(n)]
 
 
-@pytest.mark.parametrize("val_size", [1, 3])
-def test_zero3_uneven_work_per_rank_does_not_hang(tmp_path, val_size):
+# the uneven-work runs by validation set size: (accelerate config, steps, arguments of its own);
+# the size-3 run doubles as the zero3_offload config's run (still ZeRO-3: the same gathers to match)
+UNEVEN = {1: ("zero3", 1, []),
+          3: ("zero3_offload", 2, ["--ref_offload=true"])}
+
+
+@pytest.fixture(scope="module")
+def uneven_run(tmp_path_factory):
+    """uneven_run(val_size) -> (out, proc): the run test_zero3_uneven_work_per_rank_does_not_hang
+    checks, launched once per validation set size (UNEVEN)."""
+    runs = {}
+
+    def get(val_size: int):
+        if val_size not in runs:
+            from transformers import AutoModelForSequenceClassification
+            import pandas as pd
+            tmp = tmp_path_factory.mktemp(f"uneven_{val_size}")
+            rm = tmp / "rm"
+            AutoModelForSequenceClassification.from_pretrained(ROOT / "examples" / "demo_model",
+                                                               num_labels=1).save_pretrained(rm)
+            train = tmp / "train.jsonl"
+            pd.DataFrame({"prompt": skewed_prompts(8, 8, 0, 2)}).to_json(train, orient="records", lines=True)
+            val = tmp / "val.jsonl"
+            pd.DataFrame({"prompt": [f"{i}+{i}=" for i in range(1, val_size + 1)]}).to_json(val, orient="records",
+                                                                                           lines=True)
+            config, steps, own = UNEVEN[val_size]
+            proc = launch(tmp, ROOT / "accelerate_configs" / f"{config}.yaml", f"--output_dir={tmp / 'out'}",
+                          f"--train_files={train}", f"--val_files={val}", f"--reward_model_path={rm}",
+                          "--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=4", "--ppo_epochs=1",
+                          "--ppo_micro_batch_size_per_device=8", "--use_dynamic_bsz=true",
+                          "--ppo_max_token_len_per_device=40", "--max_prompt_length=32", "--max_response_length=4",
+                          "--rollout_ignore_eos=true", f"--total_training_steps={steps}", "--test_freq=1", *own,
+                          timeout=420)
+            runs[val_size] = (tmp / "out", proc)
+        return runs[val_size]
+    return get
+
+
+@pytest.mark.parametrize("val_size", sorted(UNEVEN))
+def test_zero3_uneven_work_per_rank_does_not_hang(uneven_run, val_size):
     """Token-budget micro-batches with rank 0's prompts 7x longer than rank 1's (so each rank's own
     split would give it a different number of forward passes), a validation set that does not
     divide over the 2 ranks (size 1: rank 1 has no prompt of its own), and a ZeRO-3 reward model
     scoring both: every rank must run the same number of passes, or ZeRO-3's gathers hang."""
-    from transformers import AutoModelForSequenceClassification
-    import pandas as pd
-    rm = tmp_path / "rm"
-    AutoModelForSequenceClassification.from_pretrained(ROOT / "examples" / "demo_model", num_labels=1).save_pretrained(rm)
-    train = tmp_path / "train.jsonl"
-    pd.DataFrame({"prompt": skewed_prompts(8, 8, 0, 2)}).to_json(train, orient="records", lines=True)
-    val = tmp_path / "val.jsonl"
-    pd.DataFrame({"prompt": [f"{i}+{i}=" for i in range(1, val_size + 1)]}).to_json(val, orient="records", lines=True)
-    out = tmp_path / "out"
-    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}",
-                  f"--train_files={train}", f"--val_files={val}", f"--reward_model_path={rm}",
-                  "--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=4", "--ppo_epochs=1",
-                  "--ppo_micro_batch_size_per_device=8", "--use_dynamic_bsz=true", "--ppo_max_token_len_per_device=40",
-                  "--max_prompt_length=32", "--max_response_length=4", "--rollout_ignore_eos=true",
-                  "--total_training_steps=1", "--test_freq=1", timeout=420)
+    out, proc = uneven_run(val_size)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1]
+    assert [r["step"] for r in records] == list(range(UNEVEN[val_size][1] + 1))
     assert all(math.isfinite(r["val/score_mean"]) for r in records)
     assert "actor/pg_loss" in records[1] and "critic/vf_loss" in records[1]
 
