@@ -276,7 +276,22 @@ def run_until_checkpoint_then(cmd, env, out, step, act) -> tuple[int, float, str
     return proc.returncode, took, log.read()
 
 
-def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resumes(tmp_path):
+# 4 steps with a ZeRO-3 checkpoint after each (every rank's shards)
+CHECKPOINTED = [*RUN[:-4], "--total_training_steps=4", "--save_freq=1", "--test_freq=-1", "--rollout_ignore_eos=true",
+                "--max_response_length=4"]
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory):
+    """(out, proc): an uninterrupted CHECKPOINTED run, the reference of the kill-and-resume test and
+    the checkpoints the damaged-shard test damages (in a copy)."""
+    tmp = tmp_path_factory.mktemp("checkpointed")
+    proc = launch(tmp, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={tmp / 'out'}", *CHECKPOINTED)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return tmp / "out", proc
+
+
+def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resumes(tmp_path, checkpointed_run):
     """SIGKILL of rank 1, then a double SIGINT of rank 0 alone (its second signal stops it at
     once): each time the whole launch ends within a minute, and the same command resumes from the
     newest checkpoint (DeepSpeed checkpoints of every rank's shards) and finishes with every step
@@ -284,22 +299,19 @@ def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resu
     the same machine with the same process layout, so the same operations round the same way."""
     import signal
     import time
-    config = ROOT / "accelerate_configs" / "zero3.yaml"
-    args = [*RUN[:-4], "--total_training_steps=6", "--save_freq=1", "--test_freq=-1", "--rollout_ignore_eos=true",
-            "--max_response_length=4"]
-    proc = launch(tmp_path, config, f"--output_dir={tmp_path / 'full'}", *args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    full, _ = checkpointed_run
     out = tmp_path / "out"
-    cmd, env = launch_command(tmp_path, config, f"--output_dir={out}", *args)
+    cmd, env = launch_command(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}",
+                              *CHECKPOINTED)
 
-    code, took, output = run_until_checkpoint_then(cmd, env, out, 2, lambda pids: os.kill(pids[1], signal.SIGKILL))
+    code, took, output = run_until_checkpoint_then(cmd, env, out, 1, lambda pids: os.kill(pids[1], signal.SIGKILL))
     assert code != 0 and took < 60, output[-3000:]
 
     def interrupt_twice(pids):
         os.kill(pids[0], signal.SIGINT)
         time.sleep(0.3)
         os.kill(pids[0], signal.SIGINT)
-    code, took, output = run_until_checkpoint_then(cmd, env, out, 4, interrupt_twice)
+    code, took, output = run_until_checkpoint_then(cmd, env, out, 2, interrupt_twice)
     assert "resuming from" in output
     assert took < 60, output[-3000:]   # exit code: non-zero, or 0 if both signals landed within one step
 
@@ -308,8 +320,24 @@ def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resu
     assert "resuming from" in proc.stdout
     same = lambda out: [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
                         for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in same(out)] == list(range(7))   # step 0: validation before training
-    assert same(out) == same(tmp_path / "full")
+    assert [r["step"] for r in same(out)] == list(range(5))   # step 0: validation before training
+    assert same(out) == same(full)
+
+
+def test_zero3_checkpoint_with_a_truncated_shard_is_named_on_every_rank(tmp_path, checkpointed_run):
+    """DeepSpeed failed on the reading rank with a zip-reader traceback while the other one died
+    in a collective ("Connection closed by peer"): now both ranks name the file before loading."""
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(checkpointed_run[0], out)
+    shard = out / "checkpoints" / "step_4" / "actor" / "state" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}", *CHECKPOINTED,
+                  "--total_training_steps=5")
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 2 and all(str(shard) in ln and "damaged" in ln for ln in lines), proc.stderr[-3000:]
+    assert 'train_ppo.py", line' not in proc.stderr and "Connection closed by peer" not in proc.stderr
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
