@@ -100,8 +100,9 @@ def test_deepspeed_json_that_contradicts_the_script_is_named(tmp_path):
     conf = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
     conf["train_micro_batch_size_per_gpu"] = 4
     (tmp_path / "ds.json").write_text(json.dumps(conf))
-    accel = (ROOT / "accelerate_configs" / "zero3.yaml").read_text().replace("ds_configs/zero3.json",
-                                                                            str(tmp_path / "ds.json"))
+    # one process: the launched JSON is read and checked before any collective, on every rank alike
+    accel = (ROOT / "accelerate_configs" / "zero3.yaml").read_text().replace(
+        "ds_configs/zero3.json", str(tmp_path / "ds.json")).replace("num_processes: 2", "num_processes: 1")
     (tmp_path / "accel.yaml").write_text(accel)
     proc = launch(tmp_path, tmp_path / "accel.yaml", f"--output_dir={tmp_path}/out",
                   "--ppo_micro_batch_size_per_device=8", "--total_training_steps=1")
