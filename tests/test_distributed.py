@@ -123,7 +123,8 @@ def test_zero3_two_processes_with_vllm(zero3_run):
 
 def test_zero2_config_trains(tmp_path):
     out = tmp_path / "out"
-    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero2.yaml", f"--output_dir={out}", *RUN, "--ref_offload=true")
+    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero2.yaml", f"--output_dir={out}", *RUN,
+                  "--ref_offload=true")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
