@@ -260,9 +260,11 @@ def test_launch_with_a_deepspeed_config_file_missing_from_the_working_directory(
                            "--main_process_port", str(free_port()), str(ROOT / "train_ppo.py"),
                            f"--output_dir={tmp_path}/out", "--total_training_steps=1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    lines = error_lines(proc)
-    assert len(lines) == 2, proc.stderr[-3000:]   # one per rank
-    assert all("deepspeed_config_file ds_configs/zero3.json does not exist" in ln for ln in lines)
+    assert proc.returncode != 0
+    # one per rank, and nothing else; the ranks share the launcher's stderr, where two lines written
+    # at the same moment can run together (seen under load), so they are counted, not split
+    said = "error: the accelerate config's deepspeed_config_file ds_configs/zero3.json does not exist"
+    assert proc.stderr.count(said) == 2 and proc.stderr.count("error: ") == 2, proc.stderr[-3000:]
     assert 'train_ppo.py", line' not in proc.stderr and 'plugins.py", line' not in proc.stderr
 
 
@@ -295,27 +297,5 @@ def test_checkpoint_of_another_model_is_named(tmp_path):
     assert str(tmp_path / "actor.pt") in text and "actor" in text and "size mismatch" in text
 
 
-@pytest.mark.slow
-def test_zero3_checkpoint_with_a_truncated_shard_is_named_on_every_rank(tmp_path):
-    """DeepSpeed failed on the reading rank with a zip-reader traceback while the other one died
-    in a collective ("Connection closed by peer"): now both ranks name the file before loading."""
-    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
-    out = tmp_path / "out"
-
-    def launch(*args):
-        return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                               str(ROOT / "accelerate_configs" / "zero3.yaml"), "--main_process_port",
-                               str(free_port()), str(ROOT / "train_ppo.py"), "--mlflow_log_model=false",
-                               f"--output_dir={out}", "--adv_estimator=grpo", "--use_kl_in_reward=false",
-                               "--train_batch_size=4", "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=4",
-                               "--rollout_n=2", "--val_files=", *args],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-
-    proc = launch("--total_training_steps=1", "--save_freq=1")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    shard = out / "checkpoints" / "step_1" / "actor" / "state" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    proc = launch("--total_training_steps=2")
-    lines = error_lines(proc)
-    assert len(lines) == 2 and all(str(shard) in ln and "damaged" in ln for ln in lines), proc.stderr[-3000:]
-    assert 'train_ppo.py", line' not in proc.stderr and "Connection closed by peer" not in proc.stderr
+# a truncated ZeRO-3 shard, named on every rank: test_distributed.py, on the checkpoints of its
+# kill-and-resume reference run

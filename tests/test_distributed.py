@@ -100,8 +100,9 @@ def test_deepspeed_json_that_contradicts_the_script_is_named(tmp_path):
     conf = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
     conf["train_micro_batch_size_per_gpu"] = 4
     (tmp_path / "ds.json").write_text(json.dumps(conf))
-    accel = (ROOT / "accelerate_configs" / "zero3.yaml").read_text().replace("ds_configs/zero3.json",
-                                                                            str(tmp_path / "ds.json"))
+    # one process: the launched JSON is read and checked before any collective, on every rank alike
+    accel = (ROOT / "accelerate_configs" / "zero3.yaml").read_text().replace(
+        "ds_configs/zero3.json", str(tmp_path / "ds.json")).replace("num_processes: 2", "num_processes: 1")
     (tmp_path / "accel.yaml").write_text(accel)
     proc = launch(tmp_path, tmp_path / "accel.yaml", f"--output_dir={tmp_path}/out",
                   "--ppo_micro_batch_size_per_device=8", "--total_training_steps=1")
@@ -120,11 +121,20 @@ def test_zero3_two_processes_with_vllm(zero3_run):
     assert records[2]["kl/mean"] > 1e-4   # far above rounding: the actor moved
 
 
-@pytest.mark.parametrize("config", ["zero2", "zero3_offload"])
-def test_other_repository_configs_train(tmp_path, config):
+def test_zero2_config_trains(tmp_path):
     out = tmp_path / "out"
-    proc = launch(tmp_path, ROOT / "accelerate_configs" / f"{config}.yaml", f"--output_dir={out}", *RUN,
+    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero2.yaml", f"--output_dir={out}", *RUN,
                   "--ref_offload=true")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(math.isfinite(v) for r in records for v in r.values())
+
+
+def test_zero3_offload_config_trains(uneven_run):
+    """accelerate_configs/zero3_offload.yaml (parameters and optimizer state offloaded) with
+    ref_offload: read from the uneven-work run with 3 validation prompts, launched with it."""
+    out, proc = uneven_run(3)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -140,30 +150,54 @@ def skewed_prompts(n: int, batch: int, seed: int, world: int) -> list[str]:
     return [(" " * 26 if i in rank0 else "") + f"{i % 9 + 1}+{i % 7 + 1}=" for i in range(n)]
 
 
-@pytest.mark.parametrize("val_size", [1, 3])
-def test_zero3_uneven_work_per_rank_does_not_hang(tmp_path, val_size):
+# the uneven-work runs by validation set size: (accelerate config, steps, arguments of its own);
+# the size-3 run doubles as the zero3_offload config's run (still ZeRO-3: the same gathers to match)
+UNEVEN = {1: ("zero3", 1, []),
+          3: ("zero3_offload", 2, ["--ref_offload=true"])}
+
+
+@pytest.fixture(scope="module")
+def uneven_run(tmp_path_factory):
+    """uneven_run(val_size) -> (out, proc): the run test_zero3_uneven_work_per_rank_does_not_hang
+    checks, launched once per validation set size (UNEVEN)."""
+    runs = {}
+
+    def get(val_size: int):
+        if val_size not in runs:
+            from transformers import AutoModelForSequenceClassification
+            import pandas as pd
+            tmp = tmp_path_factory.mktemp(f"uneven_{val_size}")
+            rm = tmp / "rm"
+            AutoModelForSequenceClassification.from_pretrained(ROOT / "examples" / "demo_model",
+                                                               num_labels=1).save_pretrained(rm)
+            train = tmp / "train.jsonl"
+            pd.DataFrame({"prompt": skewed_prompts(8, 8, 0, 2)}).to_json(train, orient="records", lines=True)
+            val = tmp / "val.jsonl"
+            pd.DataFrame({"prompt": [f"{i}+{i}=" for i in range(1, val_size + 1)]}).to_json(val, orient="records",
+                                                                                           lines=True)
+            config, steps, own = UNEVEN[val_size]
+            proc = launch(tmp, ROOT / "accelerate_configs" / f"{config}.yaml", f"--output_dir={tmp / 'out'}",
+                          f"--train_files={train}", f"--val_files={val}", f"--reward_model_path={rm}",
+                          "--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=4", "--ppo_epochs=1",
+                          "--ppo_micro_batch_size_per_device=8", "--use_dynamic_bsz=true",
+                          "--ppo_max_token_len_per_device=40", "--max_prompt_length=32", "--max_response_length=4",
+                          "--rollout_ignore_eos=true", f"--total_training_steps={steps}", "--test_freq=1", *own,
+                          timeout=420)
+            runs[val_size] = (tmp / "out", proc)
+        return runs[val_size]
+    return get
+
+
+@pytest.mark.parametrize("val_size", sorted(UNEVEN))
+def test_zero3_uneven_work_per_rank_does_not_hang(uneven_run, val_size):
     """Token-budget micro-batches with rank 0's prompts 7x longer than rank 1's (so each rank's own
     split would give it a different number of forward passes), a validation set that does not
     divide over the 2 ranks (size 1: rank 1 has no prompt of its own), and a ZeRO-3 reward model
     scoring both: every rank must run the same number of passes, or ZeRO-3's gathers hang."""
-    from transformers import AutoModelForSequenceClassification
-    import pandas as pd
-    rm = tmp_path / "rm"
-    AutoModelForSequenceClassification.from_pretrained(ROOT / "examples" / "demo_model", num_labels=1).save_pretrained(rm)
-    train = tmp_path / "train.jsonl"
-    pd.DataFrame({"prompt": skewed_prompts(8, 8, 0, 2)}).to_json(train, orient="records", lines=True)
-    val = tmp_path / "val.jsonl"
-    pd.DataFrame({"prompt": [f"{i}+{i}=" for i in range(1, val_size + 1)]}).to_json(val, orient="records", lines=True)
-    out = tmp_path / "out"
-    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}",
-                  f"--train_files={train}", f"--val_files={val}", f"--reward_model_path={rm}",
-                  "--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=4", "--ppo_epochs=1",
-                  "--ppo_micro_batch_size_per_device=8", "--use_dynamic_bsz=true", "--ppo_max_token_len_per_device=40",
-                  "--max_prompt_length=32", "--max_response_length=4", "--rollout_ignore_eos=true",
-                  "--total_training_steps=1", "--test_freq=1", timeout=420)
+    out, proc = uneven_run(val_size)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1]
+    assert [r["step"] for r in records] == list(range(UNEVEN[val_size][1] + 1))
     assert all(math.isfinite(r["val/score_mean"]) for r in records)
     assert "actor/pg_loss" in records[1] and "critic/vf_loss" in records[1]
 
@@ -244,7 +278,22 @@ def run_until_checkpoint_then(cmd, env, out, step, act) -> tuple[int, float, str
     return proc.returncode, took, log.read()
 
 
-def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resumes(tmp_path):
+# 4 steps with a ZeRO-3 checkpoint after each (every rank's shards)
+CHECKPOINTED = [*RUN[:-4], "--total_training_steps=4", "--save_freq=1", "--test_freq=-1", "--rollout_ignore_eos=true",
+                "--max_response_length=4"]
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory):
+    """(out, proc): an uninterrupted CHECKPOINTED run, the reference of the kill-and-resume test and
+    the checkpoints the damaged-shard test damages (in a copy)."""
+    tmp = tmp_path_factory.mktemp("checkpointed")
+    proc = launch(tmp, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={tmp / 'out'}", *CHECKPOINTED)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return tmp / "out", proc
+
+
+def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resumes(tmp_path, checkpointed_run):
     """SIGKILL of rank 1, then a double SIGINT of rank 0 alone (its second signal stops it at
     once): each time the whole launch ends within a minute, and the same command resumes from the
     newest checkpoint (DeepSpeed checkpoints of every rank's shards) and finishes with every step
@@ -252,22 +301,19 @@ def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resu
     the same machine with the same process layout, so the same operations round the same way."""
     import signal
     import time
-    config = ROOT / "accelerate_configs" / "zero3.yaml"
-    args = [*RUN[:-4], "--total_training_steps=6", "--save_freq=1", "--test_freq=-1", "--rollout_ignore_eos=true",
-            "--max_response_length=4"]
-    proc = launch(tmp_path, config, f"--output_dir={tmp_path / 'full'}", *args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    full, _ = checkpointed_run
     out = tmp_path / "out"
-    cmd, env = launch_command(tmp_path, config, f"--output_dir={out}", *args)
+    cmd, env = launch_command(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}",
+                              *CHECKPOINTED)
 
-    code, took, output = run_until_checkpoint_then(cmd, env, out, 2, lambda pids: os.kill(pids[1], signal.SIGKILL))
+    code, took, output = run_until_checkpoint_then(cmd, env, out, 1, lambda pids: os.kill(pids[1], signal.SIGKILL))
     assert code != 0 and took < 60, output[-3000:]
 
     def interrupt_twice(pids):
         os.kill(pids[0], signal.SIGINT)
         time.sleep(0.3)
         os.kill(pids[0], signal.SIGINT)
-    code, took, output = run_until_checkpoint_then(cmd, env, out, 4, interrupt_twice)
+    code, took, output = run_until_checkpoint_then(cmd, env, out, 2, interrupt_twice)
     assert "resuming from" in output
     assert took < 60, output[-3000:]   # exit code: non-zero, or 0 if both signals landed within one step
 
@@ -276,8 +322,24 @@ def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resu
     assert "resuming from" in proc.stdout
     same = lambda out: [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
                         for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in same(out)] == list(range(7))   # step 0: validation before training
-    assert same(out) == same(tmp_path / "full")
+    assert [r["step"] for r in same(out)] == list(range(5))   # step 0: validation before training
+    assert same(out) == same(full)
+
+
+def test_zero3_checkpoint_with_a_truncated_shard_is_named_on_every_rank(tmp_path, checkpointed_run):
+    """DeepSpeed failed on the reading rank with a zip-reader traceback while the other one died
+    in a collective ("Connection closed by peer"): now both ranks name the file before loading."""
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(checkpointed_run[0], out)
+    shard = out / "checkpoints" / "step_4" / "actor" / "state" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    proc = launch(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}", *CHECKPOINTED,
+                  "--total_training_steps=5")
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 2 and all(str(shard) in ln and "damaged" in ln for ln in lines), proc.stderr[-3000:]
+    assert 'train_ppo.py", line' not in proc.stderr and "Connection closed by peer" not in proc.stderr
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
