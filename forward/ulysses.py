@@ -96,6 +96,9 @@ def unsupported(model, sp_size: int) -> str | None:
     if heads % sp_size or kv % sp_size:
         return (f"its {heads} attention heads and {kv} key-value heads must both be divisible by "
                 f"ulysses_sequence_parallel_size={sp_size}")
+    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+        # attention sinks (gpt-oss) are one logit per head, and ALST hands each rank heads/sp of them
+        return "its attention sinks (one per head) are not split with the heads by ALST"
     if model.config._attn_implementation != packing.NAME:
         return (f"its attention is {model.config._attn_implementation!r}; the split rows need the packed SDPA "
                 f"attention ({packing.NAME!r}, what remove_padding gives SDPA models)")

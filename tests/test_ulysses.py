@@ -69,6 +69,11 @@ def test_models_that_cannot_split_are_named():
     assert "attention heads" in ulysses.unsupported(tiny(heads=6, kv=6), 4)
     assert "'sdpa'" in ulysses.unsupported(tiny(), 2)          # padded SDPA: the rows are not packed
     assert "'eager'" in ulysses.unsupported(tiny(attn="eager"), 2)
+    from transformers import GptOssConfig, GptOssForCausalLM
+    sinks = GptOssForCausalLM(GptOssConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           num_local_experts=2, num_experts_per_tok=1, attn_implementation="eager"))
+    assert "attention sinks" in ulysses.unsupported(sinks, 2)
 
 
 def test_a_row_splits_into_equal_parts_with_the_row_boundaries():
