@@ -6,7 +6,10 @@ however pytest is started; and how the suite spreads over pytest-xdist workers (
   vLLM engines takes about 3 GiB), at most 4; `-n 0` runs everything in this process.
 - tests that share a fixture built once per module or session (a training run several tests read)
   run on the same worker, so no run is made twice: they form one xdist group (`--dist loadgroup`).
-- slow tests are handed out first, so the long ones do not trail at the end on one worker.
+- slow tests (with the tests that share their run) are handed out first, so the long ones do not
+  trail at the end on one worker.
+- each test process has a fork server (tests/forkserver.py): the Python processes tests start
+  begin with the heavy libraries imported.
 """
 import os
 import sys
@@ -17,8 +20,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest
 
+import forkserver
+
 GIB_PER_WORKER = 4
 MAX_WORKERS = 4
+
+
+def pytest_configure(config):
+    """Each process that runs tests (an xdist worker, or pytest itself with -n 0) gets its fork
+    server, so the Python processes its tests start begin with the libraries imported."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        forkserver.start()
+
+
+def pytest_unconfigure(config):
+    forkserver.stop()
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -65,7 +81,10 @@ def pytest_collection_modifyitems(config, items):
         root = find(item.nodeid)
         if members[root] > 1:
             item.add_marker(pytest.mark.xdist_group(root.replace("/", ".")))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)   # stable: slow first, order kept
+    # slow first, order kept; a group goes with its slowest member, so the tests of one module that
+    # share a module-scoped run stay together (split, pytest would tear the run down and make it again)
+    slow = {find(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: find(item.nodeid) not in slow)
 
 
 @pytest.fixture(scope="session")

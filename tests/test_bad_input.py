@@ -2,13 +2,13 @@
 culprit (key, file, line, row, value): each loader is checked at its own boundary, in process, and
 two end-to-end runs check that the script prints that line and no traceback."""
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+import forkserver
 from distribution import plugins as distributed
 import train_ppo
 import config
@@ -107,7 +107,7 @@ def test_values_the_optimizer_or_sampler_would_refuse_are_named(override, key):
 
 def run(tmp_path, *args):
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
-    return subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "--mlflow_log_model=false", *args],
+    return forkserver.run([sys.executable, str(ROOT / "train_ppo.py"), "--mlflow_log_model=false", *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -6,7 +6,6 @@ libraries), and end to end where the launcher is part of the story."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import forkserver
 from distribution import plugins as distributed
 import config
 from modeling import loading
@@ -241,7 +241,7 @@ def error_lines(proc) -> list[str]:
 def test_reward_module_raising_at_import_is_one_line_without_traceback(tmp_path):
     (tmp_path / "my_reward.py").write_text("import os\nraise OSError('cannot find the answers file')\n")
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONPATH=str(tmp_path))
-    proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "--reward_fn=my_reward:score",
+    proc = forkserver.run([sys.executable, str(ROOT / "train_ppo.py"), "--reward_fn=my_reward:score",
                            f"--output_dir={tmp_path}/out", "--total_training_steps=1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -255,7 +255,7 @@ def test_launch_with_a_deepspeed_config_file_missing_from_the_working_directory(
     root: launched from elsewhere, every rank says so in one line (the traceback left is
     torch's launcher reporting that its children failed)."""
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+    proc = forkserver.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "2",
                            "--main_process_port", str(free_port()), str(ROOT / "train_ppo.py"),
                            f"--output_dir={tmp_path}/out", "--total_training_steps=1"],

@@ -6,13 +6,13 @@ The demo's learning run (+20 validation points) is measured in the README, not h
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+import forkserver
 from config import load_config
 from mlflow_store import sqlite_uri
 
@@ -75,7 +75,7 @@ def test_gsm8k_python_config_passes_dry_run(qwen_7b_config_only, tmp_path):
     data = prepare_gsm8k.convert(rows, "test")
     data.to_parquet(tmp_path / "train.parquet")
     data[:10].to_parquet(tmp_path / "val.parquet")
-    proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "--config", str(GPU_CONFIG), "--dry_run",
+    proc = forkserver.run([sys.executable, str(ROOT / "train_ppo.py"), "--config", str(GPU_CONFIG), "--dry_run",
                            f"--model_path={qwen_7b_config_only}", f"--train_files={tmp_path / 'train.parquet'}",
                            f"--val_files={tmp_path / 'val.parquet'}", f"--output_dir={tmp_path / 'out'}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -92,7 +92,7 @@ def test_gsm8k_python_config_passes_dry_run(qwen_7b_config_only, tmp_path):
 def test_demo_tools_runs_and_calls_the_calculator(tmp_path):
     """Two short steps of the demo: the tools/* metrics are logged, finite, and the policy calls the tool."""
     env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "--config", str(DEMO),
+    proc = forkserver.run([sys.executable, str(ROOT / "train_ppo.py"), "--config", str(DEMO),
                            f"--output_dir={tmp_path / 'out'}", "--total_training_steps=2", "--test_freq=-1",
                            "--val_before_train=false", "--train_batch_size=16", "--ppo_mini_batch_size=16",
                            "--mlflow_log_model=false"],

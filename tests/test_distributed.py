@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import forkserver
 from mlflow_store import sqlite_uri
 from ports import free_port
 
@@ -57,7 +58,7 @@ def launch_command(tmp_path, accel_config, *args, env_extra=None):
 
 def launch(tmp_path, accel_config, *args, env_extra=None, timeout=900):
     cmd, env = launch_command(tmp_path, accel_config, *args, env_extra=env_extra)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def assert_zero3_sharded(output: str) -> None:
@@ -259,7 +260,7 @@ def run_until_checkpoint_then(cmd, env, out, step, act) -> tuple[int, float, str
     import tempfile
     import time
     log = tempfile.TemporaryFile(mode="w+")   # not a pipe: a full pipe nobody reads would block the ranks
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = forkserver.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not (out / "checkpoints" / f"step_{step}" / "trainer_state.json").is_file():
         assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before the checkpoint"
@@ -317,7 +318,7 @@ def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resu
     assert "resuming from" in output
     assert took < 60, output[-3000:]   # exit code: non-zero, or 0 if both signals landed within one step
 
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resuming from" in proc.stdout
     same = lambda out: [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}  # noqa: E731

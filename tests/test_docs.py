@@ -1,9 +1,9 @@
 """The README's config reference and --help come from the Config dataclass; they cannot drift."""
 import dataclasses
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 from plumbing import config_docs
 import config
 
@@ -11,13 +11,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_readme_config_reference_is_current():
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "config_reference.py"), "--check"],
+    proc = forkserver.run([sys.executable, str(ROOT / "scripts" / "config_reference.py"), "--check"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_help_lists_every_key_once_under_a_section():
-    proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), "--help"], capture_output=True, text=True)
+    proc = forkserver.run([sys.executable, str(ROOT / "train_ppo.py"), "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
     names = [f.name for f in dataclasses.fields(config.Config)]
     listed = [line.split()[0][2:] for line in proc.stdout.splitlines() if line.startswith("  --")]

@@ -130,10 +130,10 @@ def test_acc_counts_right_and_wrong_and_needs_a_verifier():
 # ------------------------------------------------------------------------------------------------
 import json  # noqa: E402
 import os  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import forkserver  # noqa: E402
 from mlflow_store import sqlite_uri  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ def env_for(tmp):
 
 
 def run_script(tmp, out, *extra):
-    return subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), f"--output_dir={out}", *RUN, *extra],
+    return forkserver.run([sys.executable, str(ROOT / "train_ppo.py"), f"--output_dir={out}", *RUN, *extra],
                           cwd=tmp, env=env_for(tmp), capture_output=True, text=True, timeout=600)
 
 

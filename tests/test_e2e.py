@@ -6,7 +6,6 @@ MlflowClient, final/ loading with transformers, and clear errors on bad input.
 import json
 import math
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import forkserver
 from mlflow_store import sqlite_uri
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def run(tmp_path, *args, env_extra=None, timeout=600):
     env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
     env.update(env_extra or {})
     # the final model goes to MLflow in the run that checks it (short_run) only: it takes seconds
-    return subprocess.run([sys.executable, str(SCRIPT), "--mlflow_log_model=false", *args], cwd=tmp_path, env=env,
+    return forkserver.run([sys.executable, str(SCRIPT), "--mlflow_log_model=false", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -9,12 +9,12 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import forkserver
 from config import load_config
 from plumbing.guards import Guards
 from ports import free_port
@@ -37,7 +37,7 @@ def env_for(tmp_path, **extra):
 
 
 def run1(tmp_path, *args, env_extra=None, timeout=600):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=env_for(tmp_path, **(env_extra or {})),
+    return forkserver.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=env_for(tmp_path, **(env_extra or {})),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -64,7 +64,7 @@ def test_zero3_oom_on_one_rank_is_agreed_and_the_run_goes_on_with_smaller_micro_
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3), "--main_process_port",
            str(free_port()), str(SCRIPT), f"--output_dir={out}", "--total_training_steps=2",
            "--save_freq=2", *RUN]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env_for(tmp_path, **OOM_ABOVE_70_ON_RANK0), capture_output=True,
+    proc = forkserver.run(cmd, cwd=ROOT, env=env_for(tmp_path, **OOM_ABOVE_70_ON_RANK0), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, tail(proc)
     print(proc.stderr[-4000:])   # the log lines, for the record (pytest -s)
@@ -146,7 +146,7 @@ def test_nan_clip_reaction_tightens_clipping_until_a_clean_stretch_and_resumes(t
     (tmp_path / "sitecustomize.py").write_text(NAN_GRADIENTS)
     react = ["--adv_estimator=grpo", "--use_kl_in_reward=false", "--nan_clip_reaction=true",
              "--nan_clip_clean_steps=2", *RUN]
-    sub = lambda steps, out, inject: subprocess.run(   # noqa: E731
+    sub = lambda steps, out, inject: forkserver.run(   # noqa: E731
         [sys.executable, str(SCRIPT), f"--output_dir={out}", f"--total_training_steps={steps}", "--save_freq=3",
          *react], cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env=env_for(tmp_path, **({"PYTHONPATH": str(tmp_path)} if inject else {})))

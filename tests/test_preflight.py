@@ -4,13 +4,14 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from ports import free_port
+
+import forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
@@ -19,7 +20,7 @@ DEMO = ROOT / "examples" / "demo_model"
 
 def run(tmp, *args, launcher=(), cwd=None):
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, *launcher, str(SCRIPT), *args], cwd=cwd or tmp, env=env,
+    return forkserver.run([sys.executable, *launcher, str(SCRIPT), *args], cwd=cwd or tmp, env=env,
                           capture_output=True, text=True, timeout=900)
 
 

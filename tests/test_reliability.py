@@ -5,12 +5,13 @@ run counts the hf engine's gathered actor under ZeRO-3, and the guards' advice r
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from ports import free_port
+
+import forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "train_ppo.py"
@@ -34,13 +35,13 @@ def launch2(tmp_path, *args, env_extra=None, timeout=900):
     """A 2-process ZeRO-3 launch of train_ppo.py."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3),
            "--main_process_port", str(free_port()), str(SCRIPT), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env_for(tmp_path, **(env_extra or {})), capture_output=True, text=True,
+    return forkserver.run(cmd, cwd=ROOT, env=env_for(tmp_path, **(env_extra or {})), capture_output=True, text=True,
                           timeout=timeout)
 
 
 def run1(tmp_path, *args, timeout=600):
     """A single-process run of train_ppo.py."""
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=env_for(tmp_path),
+    return forkserver.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=env_for(tmp_path),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -176,7 +177,7 @@ def test_regenerate_keeps_vllm_asleep_and_sends_the_weights_once_per_step(tmp_pa
     the KV cache."""
     driver, log = tmp_path / "driver.py", tmp_path / "events.json"
     driver.write_text(REGENERATE_DRIVER)
-    proc = subprocess.run([sys.executable, str(driver), str(ROOT), str(log), f"--output_dir={tmp_path}/out",
+    proc = forkserver.run([sys.executable, str(driver), str(ROOT), str(log), f"--output_dir={tmp_path}/out",
                            "--rollout_engine=vllm", "--rollout_max_logprob_diff=1e-12", "--rollout_on_drift=regenerate",
                            "--total_training_steps=2", *FAST], cwd=tmp_path, env=env_for(tmp_path),
                           capture_output=True, text=True, timeout=600)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import forkserver
 from mlflow_store import sqlite_uri
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def env_for(tmp):
 
 
 def run(tmp, out, *extra):
-    return subprocess.run(command(out, *extra), cwd=tmp, env=env_for(tmp), capture_output=True, text=True, timeout=600)
+    return forkserver.run(command(out, *extra), cwd=tmp, env=env_for(tmp), capture_output=True, text=True, timeout=600)
 
 
 def records(out):
@@ -67,7 +68,7 @@ def reference(reference_dir):
 
 
 def start_and_kill(tmp, out, sig, after_lines, extra_delay):
-    proc = subprocess.Popen(command(out), cwd=tmp, env=env_for(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = forkserver.Popen(command(out), cwd=tmp, env=env_for(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.time() + 300
     while steps_logged(out) < after_lines and proc.poll() is None and time.time() < deadline:
@@ -168,7 +169,7 @@ def test_nonfinite_reward_can_be_skipped_instead_of_stopping(tmp_path):
         "    return [float('nan') if CALLS[0] == 2 and i < 3 else 1.0 for i in range(len(prompts))]\n")
     out = tmp_path / "out"
     env = dict(env_for(tmp_path), PYTHONPATH=str(tmp_path))
-    proc = subprocess.run(command(out, "--reward_fn=nan_once:score", "--skip_nonfinite_rewards=true",
+    proc = forkserver.run(command(out, "--reward_fn=nan_once:score", "--skip_nonfinite_rewards=true",
                                   "--val_before_train=false", "--test_freq=-1", "--total_training_steps=3",
                                   "--save_freq=-1"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

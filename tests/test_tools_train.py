@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
+import forkserver
 from config import Config
 from mlflow_store import sqlite_uri
 from plumbing.oom import OomReaction, base_sizes
@@ -302,7 +303,7 @@ def test_train_with_the_calculator(model_dir, tmp_path, engine):
     actor's at the model tokens (rollout/logprob_diff of fp32 rounding, tool tokens left out)."""
     model_path, data, _, _ = model_dir
     env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), *run_args(model_path, data, tmp_path / "out"),
+    proc = forkserver.run([sys.executable, str(SCRIPT), *run_args(model_path, data, tmp_path / "out"),
                            f"--rollout_engine={engine}", "--rollout_is=token"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -321,7 +322,7 @@ def test_zero3_two_processes_with_skewed_turns(model_dir, tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--main_process_port", str(free_port()),
            str(SCRIPT), *run_args(model_path, data, tmp_path / "out", "--rollout_n=1")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     check_tool_metrics(tmp_path / "out")
 
@@ -392,7 +393,7 @@ def test_runaway_tool_code_is_stopped_and_the_run_goes_on(runaway_dir, tmp_path)
     an error, counted in tools/error_rate, and the run finishes its steps."""
     model_path, data = runaway_dir
     env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), *runaway_args(model_path, data, tmp_path / "out"),
+    proc = forkserver.run([sys.executable, str(SCRIPT), *runaway_args(model_path, data, tmp_path / "out"),
                            "--total_training_steps=2", "--test_freq=2", "--temperature=0.1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -436,11 +437,11 @@ def test_sigkill_then_resume_with_tools_matches_the_uninterrupted_run(runaway_di
         return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in _records(out)]
 
     env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
-    reference = subprocess.run(command(tmp_path / "ref"), cwd=tmp_path, env=env, capture_output=True, text=True,
+    reference = forkserver.run(command(tmp_path / "ref"), cwd=tmp_path, env=env, capture_output=True, text=True,
                                timeout=900)
     assert reference.returncode == 0, reference.stderr[-3000:]
     out = tmp_path / "out"
-    proc = subprocess.Popen(command(out), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = forkserver.Popen(command(out), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while (not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 2) \
             and proc.poll() is None and time.time() < deadline:
@@ -449,7 +450,7 @@ def test_sigkill_then_resume_with_tools_matches_the_uninterrupted_run(runaway_di
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the run ended before the kill"
-    resumed = subprocess.run(command(out), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    resumed = forkserver.run(command(out), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     got, want = comparable(out), comparable(tmp_path / "ref")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import forkserver
 from mlflow_store import sqlite_uri
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +89,7 @@ def test_training_survives_a_tracking_outage_and_mlflow_catches_up(tmp_path, ser
     uri = server.start().uri
     out = tmp_path / "out"
     metrics = out / "metrics.jsonl"
-    train = subprocess.Popen([sys.executable, str(ROOT / "train_ppo.py"), f"--output_dir={out}", *ARGS],
+    train = forkserver.Popen([sys.executable, str(ROOT / "train_ppo.py"), f"--output_dir={out}", *ARGS],
                              cwd=tmp_path, env=dict(os.environ, MLFLOW_TRACKING_URI=uri), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
@@ -121,7 +122,7 @@ def test_mlflow_server_holds_params_tags_datasets_samples_curves_and_the_model(t
     uri = server.start().uri
     env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PYTHONUNBUFFERED="1",
                MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), f"--output_dir={tmp_path}/out", *ARGS[:4],
+    proc = forkserver.run([sys.executable, str(ROOT / "train_ppo.py"), f"--output_dir={tmp_path}/out", *ARGS[:4],
                            "--total_training_steps=2", "--test_freq=1", "--mlflow_system_metrics=true",
                            "--mlflow_experiment=readback"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

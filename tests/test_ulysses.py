@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+import forkserver
 from config import Config, validate_config
 from distribution.prepare import check_world_size
 from errors import UserError
@@ -100,7 +101,7 @@ def test_two_ranks_split_equal_one_unsplit(tmp_path):
            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "2",
            "--main_process_port", str(free_port()), str(ROOT / "tests" / "ulysses_worker.py"),
            str(out)]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    run = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     f = json.loads(out.read_text())
     for key in ("logprob", "entropy", "truncated", "values", "reward_scores", "zero3_logprob", "zero3_entropy",
@@ -141,7 +142,7 @@ def one_step(out: Path, processes: int, sp: int, *extra: str) -> dict:
            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", str(processes),
            "--main_process_port", str(free_port()), str(ROOT / "tests" / "ulysses_train_worker.py"), str(out),
            *STEP, *extra, f"--ulysses_sequence_parallel_size={sp}", f"--output_dir={out / 'run'}"]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    run = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return {rank: torch.load(out / f"rank{rank}.pt") for rank in range(processes)}
 
@@ -218,7 +219,7 @@ def launch_run(tmp_path, out: Path, *extra: str) -> subprocess.CompletedProcess:
            "--main_process_port", str(free_port()), str(ROOT / "train_ppo.py"), "--ulysses_sequence_parallel_size=2",
            "--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=4",
            "--save_freq=2", "--test_freq=2", "--mlflow_log_model=false", f"--output_dir={out}", *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow

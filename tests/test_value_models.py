@@ -5,7 +5,6 @@ padding) and the head applied to its hidden states. Cohere, Granite and OLMo 2 h
 ...ForTokenClassification in transformers (before value_models.py they had no critic); Qwen2 has."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import forkserver
 from plumbing import flops
 from plumbing import preflight
 from forward import readouts
@@ -338,7 +338,7 @@ def test_a_short_run_trains_a_cohere_critic(tmp_path):
     lm = tiny_lm("cohere", tmp_path / "lm")
     out = tmp_path / "out"
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "train_ppo.py"), f"--model_path={lm}", "--adv_estimator=gae",
+    proc = forkserver.run([sys.executable, str(ROOT / "train_ppo.py"), f"--model_path={lm}", "--adv_estimator=gae",
                            f"--output_dir={out}", "--total_training_steps=2", "--save_freq=2", "--test_freq=-1",
                            "--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=4",
                            "--ppo_micro_batch_size_per_device=4", "--max_response_length=8", "--critic_lr=1e-3",
@@ -377,7 +377,7 @@ def test_zero3_two_processes_train_a_cohere_critic_against_a_cohere_reward_model
            "--total_training_steps=2", "--test_freq=-1", "--train_batch_size=8", "--rollout_n=2",
            "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=4", "--rollout_ignore_eos=true",
            "--max_response_length=4", "--critic_lr=1e-3", "--mlflow_log_model=false"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [row for row in rows if row["step"] > 0]
