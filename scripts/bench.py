@@ -1,10 +1,19 @@
-"""W1 and W3 (../shared/benchmarks.md): train_ppo.py against TRL 1.12.0's PPOTrainer, same workload, one run.
+"""W1, W3 and W5 (../shared/benchmarks.md): train_ppo.py against TRL 1.12.0's PPOTrainer, same workload, one run.
 
     python scripts/bench.py                          # W1 and W3, 3 repeats each (about 20 min on an idle 2-core machine)
     python scripts/bench.py --workloads w1 --repeats 1 --iterations 3     # a quick check
+    python scripts/bench.py --workloads w5 --repeats 1     # W5 at 512, 1,024 and 2,048 response tokens (about 40 min)
+
+W5 (configs/w5.yaml, scripts/make_w5.py) is W3's model and vocabulary with responses that end at EOS after
+very different lengths (token-budget micro-batches, packing and gradient checkpointing on ours' side; TRL
+pads). Each length of --w5_lengths is its own workload, w5_<length>, run with --max_response_length=<length>
+(the peer reads it from ours' config.yaml like every other value); the report adds each side's mean
+response length (they sample differently, so the two means differ by chance: compare times with them in
+view) and a table of how time and peak memory grow with the length.
 
 What it does, in order:
-  1. builds the assets if missing: scripts/make_w1.py -> runs/w1_assets, scripts/make_w3.py -> runs/w3_assets;
+  1. builds the assets if missing: scripts/make_w1.py -> runs/w1_assets, scripts/make_w3.py -> runs/w3_assets,
+     scripts/make_w5.py -> runs/w5_assets (from runs/w3_assets);
   2. makes the peer's virtual environment if missing (--peer_venv, default runs/trl_peer_venv):
      `python -m venv --system-site-packages`, then `pip install trl==1.12.0 --no-deps` into it (its other
      requirements, accelerate, transformers, jinja2 and packaging, come from this Python's packages;
@@ -19,7 +28,8 @@ What it does, in order:
   5. prints per side: the median iteration time over iterations 2..N (pooled over repeats), the median of
      each phase, the peak RSS (median over repeats) and the import baseline, then ours/peer ratios; also
      the mean reward and the last iteration's per-token KL of each side, and a warning when other
-     processes used the CPU during a run (measured from /proc/stat: such timings are meaningless);
+     processes used the CPU during a run (measured from /proc/stat: such timings are meaningless); for W5
+     also the mean response length of each side and the growth table;
   6. ours logs perf/mfu against this machine's fp32 matmul peak, measured first (the fastest of 80
      matmuls of transformer shapes on all cores; a CPU has no datasheet figure that PyTorch reaches),
      passed as --peak_tflops; its medians are printed with the rest.
@@ -41,6 +51,7 @@ PEER_TRL = "1.12.0"
 WORKLOADS = {   # name: (config, asset builder, asset dir, default iterations)
     "w1": ("configs/w1.yaml", "scripts/make_w1.py", "runs/w1_assets", 10),
     "w3": ("configs/w3.yaml", "scripts/make_w3.py", "runs/w3_assets", 6),
+    "w5": ("configs/w5.yaml", "scripts/make_w5.py", "runs/w5_assets", 5),   # one run per --w5_lengths entry
 }
 MFU_KEYS = ("perf/mfu", "perf/mfu/actor", "perf/mfu/critic")
 OURS_PHASES = ("gen", "score", "forward", "update", "sync", "log")
@@ -159,18 +170,21 @@ def measured_peak_tflops() -> float:
     return float(proc.stdout.split()[-1])
 
 
-def run_ours(name: str, rep: int, iterations: int, out: Path, env: dict, peak_tflops: float) -> dict:
-    config = WORKLOADS[name][0]
+def run_ours(name: str, workload: str, overrides: list[str], rep: int, iterations: int, out: Path, env: dict,
+             peak_tflops: float) -> dict:
+    """name: the run's label (w5_1024); workload: its entry in WORKLOADS (w5); overrides: extra --key=value."""
+    config = WORKLOADS[workload][0]
     run_dir = out / name / f"ours_{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "train_ppo.py", "--config", config, f"--output_dir={run_dir}",
+    cmd = [sys.executable, "train_ppo.py", "--config", config, *overrides, f"--output_dir={run_dir}",
            f"--total_training_steps={iterations}", "--resume=never", "--save_freq=-1",
            f"--mlflow_tracking_uri=sqlite:///{out / 'mlflow.db'}", "--mlflow_experiment=bench",
            f"--run_name={name}_ours_{rep}", f"--peak_tflops={peak_tflops}"]
     result = run_measured(cmd, out / name / f"ours_{rep}.log", env)
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time/step_s" in r]
     result["iterations"] = [{k: v for k, v in r.items() if k.startswith(("time/", "perf/mfu")) or k in
-                             ("step", "reward/score_mean", "kl/mean")} for r in rows]
+                             ("step", "reward/score_mean", "kl/mean", "rollout/response_len_mean",
+                              "rollout/truncated_frac")} for r in rows]
     result["config"] = str(run_dir / "config.yaml")
     return result
 
@@ -201,10 +215,15 @@ def summarize(runs: list[dict], phases: tuple, baseline: float) -> dict:
     summary["peak_above_import_gb"] = summary["peak_rss_gb"] - baseline
     summary["phase_sum_s"] = median([sum(it.get(f"time/{p}_s", 0.0) for p in phases) for it in later])
     summary["mfu"] = {k: median([it[k] for it in later if k in it]) for k in MFU_KEYS if any(k in it for it in later)}
+    # tokens per response, mean over the timed iterations (2..N) and over all of them
+    summary["response_len_mean"] = statistics.fmean([it.get("rollout/response_len_mean", float("nan"))
+                                                     for it in later]) if later else float("nan")
+    summary["response_len_mean_all"] = statistics.fmean([it.get("rollout/response_len_mean", float("nan"))
+                                                         for r in runs for it in r["iterations"]])
     return summary
 
 
-def report(name: str, ours: dict, peer: dict) -> None:
+def report(name: str, ours: dict, peer: dict, fixed_length: bool = True) -> None:
     def row(label, a, b, unit, fmt="{:.3f}"):
         a_text = "-" if a is None else fmt.format(a)
         b_text = "-" if b is None else fmt.format(b)
@@ -228,6 +247,9 @@ def report(name: str, ours: dict, peer: dict) -> None:
     row("process wall time (median)", ours["wall_s"], peer["wall_s"], "s", "{:.1f}")
     print(f"  {'reward, mean of iterations':<30} {ours['score_mean']:>9.4f} {peer['score_mean']:>9.4f}")
     print(f"  {'KL per token, last iteration':<30} {ours['kl_last']:>9.4f} {peer['kl_last']:>9.4f}")
+    if not fixed_length:
+        row("mean response length", ours["response_len_mean"], peer["response_len_mean"], "tok", "{:.0f}")
+        row("  ... over all iterations", ours["response_len_mean_all"], peer["response_len_mean_all"], "tok", "{:.0f}")
     for key, value in ours["mfu"].items():
         print(f"  {key + ' (ours)':<30} {value:>9.1%}   of the measured matmul peak")
     busy = max(ours["other_busy_cores"], peer["other_busy_cores"])
@@ -235,12 +257,46 @@ def report(name: str, ours: dict, peer: dict) -> None:
         print(f"  WARNING: other processes used up to {busy:.2f} cores during these runs: the timings are skewed")
 
 
+def report_growth(labels: list[str], workloads: dict) -> None:
+    """W5: iteration time and peak RSS per response length, each also as a multiple of the first length's."""
+    base = workloads[labels[0]]
+
+    def cell(side: str, key: str, w: dict) -> str:
+        value = w[side][key]
+        return f"{value:6.2f} ({value / base[side][key]:4.2f}x)"
+
+    print("\nW5: growth with the response length (medians; (x) = multiple of the first row)")
+    print(f"  {'length':>6}  {'ours s/it':>15} {'TRL s/it':>15} {'ratio':>5}  {'ours GB':>15} {'TRL GB':>15} "
+          f"{'ratio':>5}  {'tokens/response':>15}")
+    for label in labels:
+        w = workloads[label]
+        o, p = w["ours"], w["peer"]
+        print(f"  {w['response_length']:>6}  {cell('ours', 'step_s', w):>15} {cell('peer', 'step_s', w):>15} "
+              f"{o['step_s'] / p['step_s']:>5.2f}  {cell('ours', 'peak_rss_gb', w):>15} "
+              f"{cell('peer', 'peak_rss_gb', w):>15} {o['peak_rss_gb'] / p['peak_rss_gb']:>5.2f}  "
+              f"{o['response_len_mean']:>6.0f} / {p['response_len_mean']:<6.0f}")
+    print("  (tokens/response: mean over the timed iterations, ours / TRL)")
+
+
+def expand(names: list[str], w5_lengths: list[int]) -> list[tuple[str, str, list[str], int | None]]:
+    """The runs: (label, workload, overrides, response length); w5 becomes one run per length."""
+    runs = []
+    for name in names:
+        if name == "w5":
+            runs += [(f"w5_{n}", "w5", [f"--max_response_length={n}"], n) for n in w5_lengths]
+        else:
+            runs.append((name, name, [], None))
+    return runs
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="w1,w3", help="comma-separated: w1, w3")
+    parser.add_argument("--workloads", default="w1,w3", help="comma-separated: w1, w3, w5")
+    parser.add_argument("--w5_lengths", default="512,1024,2048",
+                        help="W5: max_response_length of each run, comma-separated (each is its own workload, w5_<n>)")
     parser.add_argument("--repeats", type=int, default=3, help="ours/peer pairs per workload, alternating")
     parser.add_argument("--iterations", type=int, default=None,
-                        help="PPO iterations per run (default: w1 10, w3 6); the first is reported apart")
+                        help="PPO iterations per run (default: w1 10, w3 6, w5 5); the first is reported apart")
     parser.add_argument("--peer_venv", default="runs/trl_peer_venv", help="the TRL 1.12.0 virtual environment")
     parser.add_argument("--out", default="runs/bench")
     args = parser.parse_args()
@@ -250,6 +306,12 @@ def main():
             raise SystemExit(f"bench: unknown workload {n!r} (known: {', '.join(WORKLOADS)})")
     if args.iterations is not None and args.iterations < 2:
         raise SystemExit("bench: --iterations must be at least 2 (the first iteration is not counted)")
+    try:
+        w5_lengths = [int(n) for n in args.w5_lengths.split(",") if n.strip()]
+    except ValueError:
+        raise SystemExit(f"bench: --w5_lengths takes comma-separated integers, got {args.w5_lengths!r}") from None
+    if "w5" in names and (not w5_lengths or min(w5_lengths) < 1):
+        raise SystemExit(f"bench: --w5_lengths needs positive lengths, got {args.w5_lengths!r}")
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -265,12 +327,13 @@ def main():
     peak_tflops = measured_peak_tflops()
     log(f"fp32 matmul peak of this machine: {peak_tflops:.3f} TFLOPS (the yardstick of perf/mfu)")
     results = {"baselines": baselines, "peak_tflops": peak_tflops, "workloads": {}}
-    for name in names:
-        iterations = args.iterations or WORKLOADS[name][3]
+    plan = expand(names, w5_lengths)
+    for name, workload, overrides, length in plan:
+        iterations = args.iterations or WORKLOADS[workload][3]
         runs = {"ours": [], "peer": []}
         for rep in range(1, args.repeats + 1):
             log(f"{name} repeat {rep}/{args.repeats}: ours, {iterations} iterations")
-            ours = run_ours(name, rep, iterations, out, env, peak_tflops)
+            ours = run_ours(name, workload, overrides, rep, iterations, out, env, peak_tflops)
             runs["ours"].append(ours)
             log(f"  ours: {median([i['time/step_s'] for i in ours['iterations'][1:]]):.2f} s/iteration, "
                 f"peak RSS {ours['peak_rss_gb']:.2f} GB, {ours['wall_s']:.0f} s in all, "
@@ -282,15 +345,29 @@ def main():
                 f"peak RSS {peer['peak_rss_gb']:.2f} GB, {peer['wall_s']:.0f} s in all, "
                 f"other processes {peer['other_busy_cores']:.2f} cores")
             checks = peer["checks"]
-            if checks["short_responses"] or checks["eos_then_only_pad"]:
+            if not checks.get("fixed_length", True):   # W5: responses end at EOS; their lengths are the check
+                lengths = checks["response_lengths"]
+                log(f"  response lengths, mean over all iterations: ours "
+                    f"{statistics.fmean(i['rollout/response_len_mean'] for i in ours['iterations']):.0f}, TRL "
+                    f"{statistics.fmean(lengths):.0f} ({min(lengths)}-{max(lengths)}, "
+                    f"{sum(n >= length for n in lengths)} of {len(lengths)} at the cap)")
+                if checks["pad_before_eos"]:
+                    log(f"  WARNING: TRL sampled <pad> inside {checks['pad_before_eos']} responses (it reads a pad as "
+                        f"the end of the response)")
+            elif checks["short_responses"] or checks["eos_then_only_pad"]:
                 log(f"  WARNING: TRL's responses were not fixed-length: {checks}")
         summary = {"ours": summarize(runs["ours"], OURS_PHASES, baselines["ours"]),
                    "peer": summarize(runs["peer"], PEER_PHASES, baselines["peer"])}
-        results["workloads"][name] = {"iterations": iterations, "repeats": args.repeats, **summary, "runs": runs}
+        results["workloads"][name] = {"iterations": iterations, "repeats": args.repeats, "response_length": length,
+                                      "fixed_length": runs["peer"][0]["checks"].get("fixed_length", True),
+                                      **summary, "runs": runs}
         (out / "results.json").write_text(json.dumps(results, indent=1))
-    for name in names:
+    for name, _, _, _ in plan:
         w = results["workloads"][name]
-        report(name, w["ours"], w["peer"])
+        report(name, w["ours"], w["peer"], w["fixed_length"])
+    w5_runs = [name for name, workload, _, _ in plan if workload == "w5"]
+    if w5_runs:
+        report_growth(w5_runs, results["workloads"])
     print(f"\nall numbers: {out / 'results.json'}")
 
 
