@@ -8,6 +8,7 @@ background and catches up when the server is back).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -46,10 +47,12 @@ class Tracker:
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_experiment(experiment)
         run_id = resumed.get("mlflow_run_id") if resumed else None
-        if run_id and _has_run(mlflow, run_id):
-            self.run = mlflow.start_run(run_id=run_id, log_system_metrics=system_metrics)
-        else:
-            self.run = mlflow.start_run(run_name=run_name or out_dir.name, tags=tags, log_system_metrics=system_metrics)
+        with _outside_ipython():
+            if run_id and _has_run(mlflow, run_id):
+                self.run = mlflow.start_run(run_id=run_id, log_system_metrics=system_metrics)
+            else:
+                self.run = mlflow.start_run(run_name=run_name or out_dir.name, tags=tags,
+                                            log_system_metrics=system_metrics)
             mlflow.log_params({k: str(v) for k, v in params.items()}, synchronous=False)
             for context, files in datasets.items():
                 for path in files:
@@ -216,6 +219,22 @@ def _has_run(mlflow, run_id: str) -> bool:
         return True
     except mlflow.exceptions.MlflowException:
         return False
+
+
+@contextlib.contextmanager
+def _outside_ipython():
+    """MLflow's start_run asks whether it runs in a notebook (Jupyter, Databricks) by importing
+    IPython: 1-2 s of a short run. A process that has not imported IPython is in no notebook, so
+    for that call its import fails at once (ImportError, which MLflow reads as "not in one")."""
+    if "IPython" in sys.modules:
+        yield
+        return
+    sys.modules["IPython"] = None
+    try:
+        yield
+    finally:
+        if "IPython" in sys.modules and sys.modules["IPython"] is None:
+            del sys.modules["IPython"]
 
 
 def plot_curves(history: list[dict], path: Path) -> Path:

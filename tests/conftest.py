@@ -62,6 +62,7 @@ def _shared_fixtures(item) -> list[str]:
     return names
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     # union-find over tests joined by a shared long-lived fixture; each set of two or more is a group
     parent: dict[str, str] = {}
@@ -71,16 +72,21 @@ def pytest_collection_modifyitems(config, items):
             parent[x] = parent[parent[x]]
             x = parent[x]
         return x
+    fixtures = set()
     for item in items:
         for name in _shared_fixtures(item):
+            fixtures.add(name)
             parent[find(name)] = find(item.nodeid)
     members: dict[str, int] = {}
     for item in items:
         members[find(item.nodeid)] = members.get(find(item.nodeid), 0) + 1
+    label = {}   # a group is named by its first shared fixture: test_e2e.py::short_run
+    for name in sorted(fixtures):
+        label.setdefault(find(name), name.split("/")[-1])
     for item in items:
         root = find(item.nodeid)
         if members[root] > 1:
-            item.add_marker(pytest.mark.xdist_group(root.replace("/", ".")))
+            item.add_marker(pytest.mark.xdist_group(label[root]))
     # slow first, order kept; a group goes with its slowest member, so the tests of one module that
     # share a module-scoped run stay together (split, pytest would tear the run down and make it again)
     slow = {find(item.nodeid) for item in items if item.get_closest_marker("slow")}

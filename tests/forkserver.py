@@ -39,7 +39,8 @@ WARM = ["numpy", "yaml", "pandas", "torch", "torch.distributed", "torch.distribu
         "tokenizers", "transformers", "transformers.modeling_utils", "transformers.generation.utils",
         "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
         "transformers.models.qwen2.modeling_qwen2", "accelerate", "accelerate.commands.launch", "deepspeed",
-        "mlflow", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "mlflow.data", "matplotlib",
+        "mlflow", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "mlflow.data",
+        "mlflow.tracing.processor.base_mlflow", "sqlalchemy.dialects.sqlite", "git", "matplotlib",
         "matplotlib.pyplot", "tqdm", "psutil"]
 
 _server: subprocess.Popen | None = None
@@ -176,6 +177,7 @@ def _child(request: dict, fds: list[int], conn: socket.socket, base_path: list[s
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _threads_as_at_import()
         argv = list(request["argv"])
         unbuffered = os.environ.get("PYTHONUNBUFFERED", "") not in ("", "0")
         if argv and argv[0] == "-u":
@@ -198,6 +200,14 @@ def _child(request: dict, fds: list[int], conn: socket.socket, base_path: list[s
             signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
         os._exit(code)
+
+
+def _threads_as_at_import():
+    """torch sizes its thread pool from $OMP_NUM_THREADS when it is imported; the server imported
+    it before this command's environment (torch's elastic agent gives each rank OMP_NUM_THREADS=1)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
 
 
 def _watch_caller(conn: socket.socket):

@@ -260,7 +260,8 @@ def run_until_checkpoint_then(cmd, env, out, step, act) -> tuple[int, float, str
     import tempfile
     import time
     log = tempfile.TemporaryFile(mode="w+")   # not a pipe: a full pipe nobody reads would block the ranks
-    proc = forkserver.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    # fresh processes: the ranks are signalled themselves, found among the launcher's descendants
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not (out / "checkpoints" / f"step_{step}" / "trainer_state.json").is_file():
         assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before the checkpoint"

@@ -30,3 +30,25 @@ def test_a_run_process_imports_neither_sklearn_nor_triton_and_still_generates():
     """)
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_starting_the_mlflow_run_does_not_import_ipython(tmp_path):
+    """MLflow's start_run asks whether it is in a notebook by importing IPython (1-2 s of every
+    run); the Tracker starts the run without it, and the run still gets MLflow's source tags."""
+    code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from plumbing.tracking import Tracker
+        out = Path({str(tmp_path / "out")!r}); out.mkdir()
+        (out / "config.yaml").write_text("a: 1\\n")
+        tracker = Tracker(out, True, uri="sqlite:///{tmp_path}/mlflow.db", experiment="e", run_name="r",
+                          params={{"a": 1}}, tags={{}}, datasets={{}}, log_model=False)
+        tracker.finish("FINISHED", None)
+        assert "IPython" not in sys.modules, "IPython imported"
+        import mlflow
+        tags = mlflow.MlflowClient("sqlite:///{tmp_path}/mlflow.db").get_run(tracker.run_id).data.tags
+        assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.runName"] == "r", tags
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
