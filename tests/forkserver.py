@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -70,11 +71,7 @@ def stop() -> None:
         os.environ.pop(ENV + "_PYTHON", None)
         path = os.environ.pop(ENV, "")
         if path:
-            for leftover in (path, os.path.dirname(path)):
-                try:
-                    os.remove(leftover) if leftover == path else os.rmdir(leftover)
-                except OSError:
-                    pass
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)   # the socket's own folder
         _server = None
 
 
