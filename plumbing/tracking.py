@@ -33,6 +33,7 @@ class Tracker:
         self.enabled, self.out_dir, self.run_id, self.uri = enabled, out_dir, None, ""
         self.log_model = log_model
         self.history: list[dict] = []
+        self._changes = self._drawn = 0   # history's changes so far, and as of curves.png's last drawing
         if not enabled:
             return
         # a tracking server that stops answering must not stall training: few, short retries
@@ -75,6 +76,7 @@ class Tracker:
         if getattr(self, "metrics_file", None):
             self.metrics_file.close()
         self.history = [r for r in records if r["step"] <= step]
+        self._changes += 1
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         os.replace(tmp, path)   # never a truncated file, even if killed right here
@@ -87,6 +89,7 @@ class Tracker:
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
         self.history.append(record)
+        self._changes += 1
         self.sender.put(step, {k: v for k, v in metrics.items() if math.isfinite(v)})
 
     def log_samples(self, step: int, rows: dict):
@@ -98,15 +101,20 @@ class Tracker:
         """Redraw curves.png from every step so far and send it (called at each validation)."""
         if not (self.enabled and self.history):
             return None
+        if self._drawn == self._changes:   # nothing new since the last drawing (the run's end after a validation)
+            return self.out_dir / "curves.png"
         curves = plot_curves(self.history, self.out_dir / "curves.png")
-        self._try("curves.png", lambda: self.mlflow.log_artifact(str(curves)))
+        if self._try("curves.png", lambda: self.mlflow.log_artifact(str(curves))):
+            self._drawn = self._changes
         return curves
 
-    def _try(self, what: str, call) -> None:
+    def _try(self, what: str, call) -> bool:
         try:
             call()
+            return True
         except Exception as e:   # the tracking store is a convenience; metrics.jsonl is the record
             print(f"warning: MLflow did not take {what}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            return False
 
     def finish(self, status: str, final_dir: Path | None, stop_reason: str | None = None):
         """stop_reason: why a run ended before total_training_steps (early stop), as the run's tag."""
