@@ -72,13 +72,14 @@ def compare_one(model_type: str, directory: str) -> dict:
             "engine_start_s": round(started, 1), "actor_layout": actor.config._attn_implementation}
 
 
-def run(model_type: str, timeout: float = 600) -> dict:
-    """compare_one in a fresh process -> its result (or why it gave none)."""
+def run(model_type: str, timeout: float = 600, runner=subprocess.run) -> dict:
+    """compare_one in a fresh process -> its result (or why it gave none). runner: how the process
+    is started (subprocess.run's signature; the tests start it warm)."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         try:
-            proc = subprocess.run([sys.executable, __file__, "--one", model_type, tmp], cwd=tmp, env=env,
-                                  capture_output=True, text=True, timeout=timeout)
+            proc = runner([sys.executable, __file__, "--one", model_type, tmp], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"family": model_type, "status": "error", "error": f"no result in {timeout:.0f} s"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -17,7 +17,12 @@ starts with them in memory and runs the real script with the real libraries from
 - The server imports third-party libraries only: the repository's modules are imported by each
   child after its environment is set, as in a fresh run.
 - One server per pytest process (conftest starts it; FLAT_PPO_TESTS_FRESH=1 keeps every command
-  fresh). Kept fresh on purpose: the checks of what a fresh interpreter imports, and `python -c`.
+  fresh), and a second one that has vLLM imported too, started when the first command that names
+  vLLM comes (`names_vllm`: `--rollout_engine=vllm`, the vLLM scripts): vLLM's
+  import is 3-5 s of each such process. It hides Triton before importing anything else, as
+  train_ppo.py's lean_imports does (vLLM then sees what it sees in a run); commands that do not
+  name vLLM never start in a process that has imported it. Kept fresh on purpose: the checks of
+  what a fresh interpreter imports, and `python -c`.
 """
 from __future__ import annotations
 
@@ -44,42 +49,57 @@ WARM = ["numpy", "yaml", "pandas", "torch", "torch.distributed", "torch.distribu
         "mlflow.tracing.processor.base_mlflow", "sqlalchemy.dialects.sqlite", "git", "matplotlib",
         "matplotlib.pyplot", "tqdm", "psutil"]
 
-_server: subprocess.Popen | None = None
+VLLM = "vllm"   # the flavour of the second server, and what a command names to be served by it
+_servers: dict[str, subprocess.Popen] = {}
+_folder = ""
 
 
 def start() -> None:
-    """Start this process's server (it imports in the background; warm_python waits for it)."""
-    global _server
-    if _server is not None or os.environ.get("FLAT_PPO_TESTS_FRESH", "") not in ("", "0") \
+    """Start this process's server (it imports in the background; warm_python waits for it).
+    The vLLM server's socket is named in the environment now and the server started on demand;
+    warm_python uses it only once that server is starting (its socket's ".starting" file)."""
+    global _folder
+    if _servers or os.environ.get("FLAT_PPO_TESTS_FRESH", "") not in ("", "0") \
             or not hasattr(os, "fork") or not hasattr(socket, "send_fds"):
         return
-    path = os.path.join(tempfile.mkdtemp(prefix="forkserver_"), "socket")
-    _server = subprocess.Popen([sys.executable, __file__, "--serve", path], stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, cwd=Path(__file__).parent)
-    os.environ[ENV] = path
+    _folder = tempfile.mkdtemp(prefix="forkserver_")
+    _start("plain")
+    os.environ[ENV] = os.path.join(_folder, "socket")
+    os.environ[ENV + "_VLLM"] = os.path.join(_folder, "socket_vllm")
     os.environ[ENV + "_PYTHON"] = sys.executable
 
 
+def _start(flavour: str):
+    path = os.path.join(_folder, "socket" if flavour == "plain" else f"socket_{flavour}")
+    open(path + ".starting", "w").close()
+    _servers[flavour] = subprocess.Popen([sys.executable, __file__, "--serve", path, flavour], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, cwd=Path(__file__).parent)
+
+
 def stop() -> None:
-    global _server
-    if _server is not None:
-        _server.terminate()
+    global _folder
+    for server in _servers.values():
+        server.terminate()
+    for server in _servers.values():
         try:
-            _server.wait(timeout=30)
+            server.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            _server.kill()
-        os.environ.pop(ENV + "_PYTHON", None)
-        path = os.environ.pop(ENV, "")
-        if path:
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)   # the socket's own folder
-        _server = None
+            server.kill()
+    _servers.clear()
+    for name in (ENV, ENV + "_VLLM", ENV + "_PYTHON"):
+        os.environ.pop(name, None)
+    if _folder:
+        shutil.rmtree(_folder, ignore_errors=True)   # the sockets' own folder
+        _folder = ""
 
 
 def command(cmd) -> list[str]:
     """cmd through warm_python (and an accelerate launch's ranks too) when the server runs."""
     cmd = [str(c) for c in cmd]
-    if _server is None or len(cmd) < 2 or cmd[0] != sys.executable:
+    if not _servers or len(cmd) < 2 or cmd[0] != sys.executable:
         return cmd
+    if VLLM not in _servers and names_vllm(cmd[1:]):
+        _start(VLLM)
     if cmd[1:3] == ["-m", LAUNCHER] and "--no_python" not in cmd and "-m" not in cmd[3:]:
         script = next((i for i in range(3, len(cmd)) if cmd[i].endswith(".py")), None)
         if script is not None:
@@ -87,6 +107,12 @@ def command(cmd) -> list[str]:
     if cmd[1] == "-m" or cmd[1].endswith(".py"):
         return [cmd[0], str(SHIM), *cmd[1:]]
     return cmd
+
+
+def names_vllm(argv) -> bool:
+    """An argument whose last path part names vLLM (`--rollout_engine=vllm`, scripts/vllm_*.py), not
+    a folder on the way (a test's tmp_path)."""
+    return any(VLLM in os.path.basename(a).lower() for a in argv)
 
 
 def run(cmd, **kwargs) -> subprocess.CompletedProcess:
@@ -99,9 +125,18 @@ def Popen(cmd, **kwargs) -> subprocess.Popen:  # noqa: N802 (subprocess's name)
 
 # ---- the server: `python tests/forkserver.py --serve SOCKET` ----
 
-def _serve(path: str):
+def _serve(path: str, flavour: str):
     import importlib
-    for name in WARM:
+    if flavour == VLLM:
+        # what train_ppo.py's setup does before anything else (plumbing/lean_imports.py): no Triton
+        # without CUDA. The repository's module is dropped again: each child imports its own.
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from plumbing import lean_imports
+        lean_imports.skip_unused()
+        del sys.path[0]
+        for name in [m for m in sys.modules if m == "plumbing" or m.startswith("plumbing.")]:
+            del sys.modules[name]
+    for name in WARM + (["vllm", "vllm.entrypoints.llm", "vllm.platforms"] if flavour == VLLM else []):
         try:
             importlib.import_module(name)
         except Exception:   # a library this environment lacks: the child imports (or refuses) it itself
@@ -279,5 +314,5 @@ def _exit_code(value) -> int:
     return 1
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--serve":
-    _serve(sys.argv[2])
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--serve":
+    _serve(sys.argv[2], sys.argv[3])

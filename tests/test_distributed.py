@@ -242,14 +242,20 @@ def test_zero3_nan_gradient_on_one_rank_skips_the_step_everywhere(tmp_path):
     assert all(p.isfinite().all() for p in final.parameters())
 
 
-def rank_pids(launcher_pid: int) -> dict[int, int]:
+def rank_pids(out: Path) -> dict[int, int]:
+    """The rank processes of the launch writing to `out`, by their RANK: the processes the launcher
+    started (with warm starts, the warm_python that stands for each rank: its signals reach the
+    rank, and the rank dies with it)."""
     import psutil
     pids = {}
-    for child in psutil.Process(launcher_pid).children(recursive=True):
+    for process in psutil.process_iter():
         try:
-            if any("train_ppo.py" in part for part in child.cmdline()):
-                pids[int(child.environ()["RANK"])] = child.pid
-        except (psutil.Error, KeyError):
+            cmdline = process.cmdline()
+            if any(part.endswith("train_ppo.py") for part in cmdline) and f"--output_dir={out}" in cmdline:
+                rank = process.environ().get("RANK")
+                if rank is not None:
+                    pids[int(rank)] = process.pid
+        except psutil.Error:
             continue
     return pids
 
@@ -260,13 +266,12 @@ def run_until_checkpoint_then(cmd, env, out, step, act) -> tuple[int, float, str
     import tempfile
     import time
     log = tempfile.TemporaryFile(mode="w+")   # not a pipe: a full pipe nobody reads would block the ranks
-    # fresh processes: the ranks are signalled themselves, found among the launcher's descendants
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = forkserver.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not (out / "checkpoints" / f"step_{step}" / "trainer_state.json").is_file():
         assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before the checkpoint"
         time.sleep(0.2)
-    pids = rank_pids(proc.pid)
+    pids = rank_pids(out)
     assert sorted(pids) == [0, 1]
     acted = time.time()
     act(pids)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import forkserver
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("vllm_conformance", ROOT / "scripts" / "vllm_conformance.py")
 vllm_conformance = importlib.util.module_from_spec(_spec)
@@ -26,7 +28,7 @@ TOL = 1e-4
     "gemma2",    # attention and final-logit soft-caps, local/global layers alternating
 ])
 def test_vllm_sampler_logprobs_equal_the_actors_on_the_same_tokens(model_type):
-    result = vllm_conformance.run(model_type, timeout=600)
+    result = vllm_conformance.run(model_type, timeout=600, runner=forkserver.run)
     assert result["status"] == "ok", result
     assert result["tokens"] == len(vllm_conformance.PROMPTS) * vllm_conformance.MAX_TOKENS
     assert result["max_abs_diff"] < TOL, result
