@@ -256,7 +256,8 @@ def plot_curves(history: list[dict], path: Path) -> Path:
             ax.plot(*zip(*points), marker="." if len(points) < 30 else None)
         ax.set_title(key)
         ax.set_xlabel("step")
-    fig.tight_layout()
+    # fixed margins: tight_layout measures every label first, most of a drawing's time
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.08, top=0.94, wspace=0.28, hspace=0.42)
     fig.savefig(path)
     plt.close(fig)
     return path

@@ -18,10 +18,11 @@ starts with them in memory and runs the real script with the real libraries from
   child after its environment is set, as in a fresh run.
 - One server per pytest process (conftest starts it; FLAT_PPO_TESTS_FRESH=1 keeps every command
   fresh), and a second one that has vLLM imported too, started when the first command that names
-  vLLM comes (`names_vllm`: `--rollout_engine=vllm`, the vLLM scripts): vLLM's
-  import is 3-5 s of each such process. It hides Triton before importing anything else, as
-  train_ppo.py's lean_imports does (vLLM then sees what it sees in a run); commands that do not
-  name vLLM never start in a process that has imported it. Kept fresh on purpose: the checks of
+  vLLM comes (`names_vllm`: `--rollout_engine=vllm`, the vLLM scripts): vLLM's import is 3-5 s of
+  each such process. It hides Triton before importing anything else, as train_ppo.py's
+  lean_imports does (vLLM then sees what it sees in a run). Commands that do not name vLLM never
+  start in a process that has imported it, nor do those with a sitecustomize.py on $PYTHONPATH
+  (it may hook vLLM's import: the fault-injection tests do). Kept fresh on purpose: the checks of
   what a fresh interpreter imports, and `python -c`.
 """
 from __future__ import annotations
@@ -141,6 +142,7 @@ def _serve(path: str, flavour: str):
             importlib.import_module(name)
         except Exception:   # a library this environment lacks: the child imports (or refuses) it itself
             pass
+    _draw_once()
     base_path = sys.path[1:]   # the site folders, without this file's folder
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -175,6 +177,23 @@ def _serve(path: str, flavour: str):
             if conn is not None:
                 _reply(conn, os.waitstatus_to_exitcode(status))
                 conn.close()
+
+
+def _draw_once():
+    """A run draws curves.png with matplotlib (Agg): its first drawing in a process also loads the
+    font cache and builds the text machinery, about 0.4 s a run; done here once."""
+    try:
+        import io
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots()
+        ax.plot([0, 1], [0, 1])
+        ax.set_title("warm")
+        fig.savefig(io.BytesIO(), format="png")
+        plt.close(fig)
+    except Exception:
+        pass
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:

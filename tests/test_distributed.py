@@ -285,6 +285,15 @@ def run_until_checkpoint_then(cmd, env, out, step, act) -> tuple[int, float, str
     return proc.returncode, took, log.read()
 
 
+def interrupt_twice(pids):
+    """Ctrl-C twice on rank 0 alone: the second stops it at once."""
+    import signal
+    import time
+    os.kill(pids[0], signal.SIGINT)
+    time.sleep(0.3)
+    os.kill(pids[0], signal.SIGINT)
+
+
 # 4 steps with a ZeRO-3 checkpoint after each (every rank's shards)
 CHECKPOINTED = [*RUN[:-4], "--total_training_steps=4", "--save_freq=1", "--test_freq=-1", "--rollout_ignore_eos=true",
                 "--max_response_length=4"]
@@ -307,7 +316,6 @@ def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resu
     logged once and the uninterrupted run's numbers. Exact equality on purpose: both runs are on
     the same machine with the same process layout, so the same operations round the same way."""
     import signal
-    import time
     full, _ = checkpointed_run
     out = tmp_path / "out"
     cmd, env = launch_command(tmp_path, ROOT / "accelerate_configs" / "zero3.yaml", f"--output_dir={out}",
@@ -315,11 +323,6 @@ def test_a_rank_killed_or_interrupted_twice_ends_the_launch_and_the_command_resu
 
     code, took, output = run_until_checkpoint_then(cmd, env, out, 1, lambda pids: os.kill(pids[1], signal.SIGKILL))
     assert code != 0 and took < 60, output[-3000:]
-
-    def interrupt_twice(pids):
-        os.kill(pids[0], signal.SIGINT)
-        time.sleep(0.3)
-        os.kill(pids[0], signal.SIGINT)
     code, took, output = run_until_checkpoint_then(cmd, env, out, 2, interrupt_twice)
     assert "resuming from" in output
     assert took < 60, output[-3000:]   # exit code: non-zero, or 0 if both signals landed within one step

@@ -211,33 +211,44 @@ def test_two_groups_split_equal_two_data_parallel_ranks_unsplit(tmp_path):
     assert_split_equals_unsplit("dp=2", figures)
 
 
-def launch_run(tmp_path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+def launch_command(tmp_path, out: Path, *extra: str) -> tuple[list[str], dict]:
     """train_ppo.py itself on 2 ZeRO-3 processes, one sequence-parallel group of 2."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", MLFLOW_TRACKING_URI=sqlite_uri(tmp_path))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "2",
            "--main_process_port", str(free_port()), str(ROOT / "train_ppo.py"), "--ulysses_sequence_parallel_size=2",
            "--train_batch_size=8", "--rollout_n=2", "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=4",
-           "--save_freq=2", "--test_freq=2", "--mlflow_log_model=false", f"--output_dir={out}", *extra]
-    return forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+           "--save_freq=1", "--test_freq=2", "--total_training_steps=3", "--mlflow_log_model=false",
+           f"--output_dir={out}", *extra]
+    return cmd, env
 
 
 @pytest.mark.slow
-def test_a_resumed_split_run_matches_the_uninterrupted_one(tmp_path):
-    """sp=2 through train_ppo.py's own loop (validation, checkpoints, final model): 3 steps straight,
-    against 2 steps, then the same output_dir resumed to 3: the same numbers at every step."""
+def test_a_split_run_killed_or_interrupted_resumes_with_the_uninterrupted_numbers(tmp_path):
+    """sp=2 through train_ppo.py's own loop (validation, checkpoints, final model): 3 steps straight;
+    the same command with rank 1 SIGKILLed after step 1's checkpoint, then rank 0 interrupted twice
+    (Ctrl-C, then again) after step 2's, then run to its end: each time the whole launch ends within
+    a minute, and the resumed run logs the straight run's numbers at every step, exactly (same
+    machine, same process layout)."""
+    import signal
+    from test_distributed import interrupt_twice, run_until_checkpoint_then
     comparable = lambda out: [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "perf/"))}  # noqa: E731
                               for line in (out / "metrics.jsonl").read_text().splitlines()]
-    straight = launch_run(tmp_path, tmp_path / "straight", "--total_training_steps=3")
+    cmd, env = launch_command(tmp_path, tmp_path / "straight")
+    straight = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert straight.returncode == 0, straight.stderr[-5000:]
-    first = launch_run(tmp_path, tmp_path / "resumed", "--total_training_steps=2")
-    assert first.returncode == 0, first.stderr[-5000:]
-    second = launch_run(tmp_path, tmp_path / "resumed", "--total_training_steps=3")
-    assert second.returncode == 0, second.stderr[-5000:]
-    assert "resuming from" in second.stdout
+    out = tmp_path / "resumed"
+    cmd, env = launch_command(tmp_path, out)
+    code, took, output = run_until_checkpoint_then(cmd, env, out, 1, lambda pids: os.kill(pids[1], signal.SIGKILL))
+    assert code != 0 and took < 60, output[-3000:]
+    code, took, output = run_until_checkpoint_then(cmd, env, out, 2, interrupt_twice)
+    assert "resuming from" in output and took < 60, output[-3000:]
+    resumed = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert "resuming from" in resumed.stdout
     want = comparable(tmp_path / "straight")
     assert [r["step"] for r in want] == [0, 1, 2, 3] and "val/accuracy" in want[-1]
-    assert comparable(tmp_path / "resumed") == want
+    assert comparable(out) == want
     assert (tmp_path / "straight" / "final" / "model.safetensors").is_file()
 
 
