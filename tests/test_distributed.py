@@ -219,18 +219,24 @@ if os.environ.get("RANK") == "0" and os.environ.get("NAN_AT_BACKWARD"):
 """
 
 
-def test_zero3_nan_gradient_on_one_rank_skips_the_step_everywhere(tmp_path):
+@pytest.mark.parametrize("sp", [1, 2])
+def test_zero3_nan_gradient_on_one_rank_skips_the_step_everywhere(tmp_path, sp):
     """A NaN gradient on rank 0 only (injected from outside the trainer, through sitecustomize):
     the optimizer step is skipped on both ranks before the weights change, counted in
-    actor/skipped_steps, and the run goes on. Launched with what `accelerate config` writes (ZeRO
-    settings as YAML keys, no JSON file), which must shard like the repository's configs."""
+    actor/skipped_steps, and the run goes on; with sp=2 the two ranks are one sequence-parallel
+    group (rank 0's NaN is in its shard of every sequence). Launched with what `accelerate config`
+    writes (ZeRO settings as YAML keys, no JSON file), which must shard like the repository's
+    configs."""
     (tmp_path / "sitecustomize.py").write_text(NAN_GRADIENT_ONCE)
     accel_config = tmp_path / "accelerate.yaml"
     accel_config.write_text(USER_STYLE_CONFIG)
     out = tmp_path / "out"
-    # per step and rank: critic backward #1, #2 (two mini-batches), then the actor's #3, #4
+    # per step and rank, the critic's backward passes, then the actor's: two mini-batches of one
+    # micro-batch each per data-parallel rank (sp=1), of two each on the one group's 32 rows (sp=2)
+    actor_first = {1: 3, 2: 5}[sp]
     proc = launch(tmp_path, accel_config, f"--output_dir={out}", *RUN, "--test_freq=-1", "--val_before_train=false",
-                  env_extra={"PYTHONPATH": str(tmp_path), "NAN_AT_BACKWARD": "3"})
+                  f"--ulysses_sequence_parallel_size={sp}",
+                  env_extra={"PYTHONPATH": str(tmp_path), "NAN_AT_BACKWARD": str(actor_first)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert_zero3_sharded(proc.stdout + proc.stderr)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
