@@ -429,7 +429,7 @@ def test_sigkill_then_resume_with_tools_matches_the_uninterrupted_run(runaway_di
     data = tmp_path / "limited.jsonl"
     pd.DataFrame({"prompt": [[{"role": "user", "content": q}] for q, _ in RUNAWAY if q != "Hang."]}).to_json(
         data, orient="records", lines=True)
-    extra = ["--total_training_steps=4", "--save_freq=1", "--save_total_limit=2", "--test_freq=-1",
+    extra = ["--total_training_steps=3", "--save_freq=1", "--save_total_limit=2", "--test_freq=-1",
              "--temperature=0.7", "--tool_timeout_s=30", "--train_batch_size=2", "--ppo_mini_batch_size=2",
              "--ppo_micro_batch_size_per_device=2"]
 
@@ -446,10 +446,10 @@ def test_sigkill_then_resume_with_tools_matches_the_uninterrupted_run(runaway_di
     out = tmp_path / "out"
     proc = forkserver.Popen(command(out), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
-    while (not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 2) \
+    while (not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 1) \
             and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    time.sleep(random.Random(os.getpid()).uniform(0, 1.5))   # somewhere in step 3: rollout, tools or update
+    time.sleep(random.Random(os.getpid()).uniform(0, 1.5))   # somewhere in step 2: rollout, tools or update
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the run ended before the kill"
@@ -457,6 +457,6 @@ def test_sigkill_then_resume_with_tools_matches_the_uninterrupted_run(runaway_di
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     got, want = comparable(out), comparable(tmp_path / "ref")
-    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [r["step"] for r in got] == [1, 2, 3]
     assert any(r["tools/error_rate"] > 0 for r in want)
     assert got == want
