@@ -196,8 +196,10 @@ def test_a_training_step_with_two_ranks_split_equals_one_unsplit(tmp_path):
     1 process without SP, same seed, same batch: the forward passes, the advantages, the losses, the
     gradient norms (DeepSpeed averages over both ranks: each rank's share of the gradient must be
     scaled so that the average is the whole gradient) and both models' weights after the step; the
-    runs plain, and with the long-sequence recipe."""
-    for name, extra in (("plain", {1: [], 2: []}), ("recipe", RECIPE)):
+    runs plain, with the long-sequence recipe, and with a LoRA actor (the adapters split with the
+    sequences: their gradients are the ones summed over the group)."""
+    lora = ["--lora_rank=4", "--lora_alpha=8", "--actor_lr=1e-3"]
+    for name, extra in (("plain", {1: [], 2: []}), ("recipe", RECIPE), ("lora", {1: lora, 2: lora})):
         assert_split_equals_unsplit(name, split_against_unsplit(one_step(tmp_path / f"sp1_{name}", 1, 1, *extra[1]),
                                                                 one_step(tmp_path / f"sp2_{name}", 2, 2, *extra[2])))
 
@@ -250,6 +252,24 @@ def test_a_split_run_killed_or_interrupted_resumes_with_the_uninterrupted_number
     assert [r["step"] for r in want] == [0, 1, 2, 3] and "val/accuracy" in want[-1]
     assert comparable(out) == want
     assert (tmp_path / "straight" / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_vllm_samples_what_a_split_lora_actor_computes(tmp_path):
+    """sp=2 with the vLLM engine and a LoRA actor: each step's sampler log-probs (vLLM, unsplit, the
+    merged weights synced after step 1) equal the split actor's on the same tokens
+    (rollout/logprob_diff), before and after a weight sync."""
+    out = tmp_path / "out"
+    cmd, env = launch_command(tmp_path, out, "--total_training_steps=2", "--test_freq=-1", "--val_before_train=false",
+                              "--save_freq=-1", "--rollout_engine=vllm", "--lora_rank=4", "--lora_alpha=8",
+                              "--actor_lr=1e-3", "--rollout_sync_bucket_mb=0.5", "--rollout_kv_cache_gb=0.25")
+    proc = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["rollout/logprob_diff"] < 1e-5, r
+        assert r["actor/grad_norm"] > 0
 
 
 def test_a_model_whose_heads_do_not_split_is_refused_at_load(tmp_path):
