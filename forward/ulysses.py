@@ -89,10 +89,29 @@ def setup(sp_size: int) -> None:
     AttentionInterface.register(packing.NAME, _attention)
 
 
+# Families whose split pass fails (tests/test_ulysses.py's registry walk, transformers 5.19 and
+# DeepSpeed 0.19.8: each stops with an error there, none computes wrong numbers); refused at load.
+_NO_POSITIONS = "its attention layers get no position_ids, which DeepSpeed's ALST asserts it needs"
+UNSPLITTABLE = {
+    "ctrl": _NO_POSITIONS, "gpt_bigcode": _NO_POSITIONS, "llama4_text": _NO_POSITIONS, "ministral3": _NO_POSITIONS,
+    "persimmon": _NO_POSITIONS,
+    "gpt2": "its fused query/key/value projection does not fit ALST's split (a shape error in the split pass)",
+    "gpt-sw3": "its fused query/key/value projection does not fit ALST's split (a shape error in the split pass)",
+    "diffllama": "its differential attention normalises over all heads, which ALST divides (a shape error)",
+    "jetmoe": "its mixture of attention heads does not fit ALST's head layout (DeepSpeed rejects the key/value shapes)",
+    "hrm_text": "its split pass fails with a shape error in attention (not diagnosed)",
+}
+
+
 def unsupported(model, sp_size: int) -> str | None:
     """Why `model` cannot run split over sp_size ranks, or None when it can."""
     config = model.config.get_text_config()
-    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if config.model_type in UNSPLITTABLE:
+        return UNSPLITTABLE[config.model_type]
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:   # a recurrent or state-space model (Mamba): no attention to split the row over
+        return "it has no attention heads (num_attention_heads) to split the sequence over"
+    kv = getattr(config, "num_key_value_heads", None) or heads
     if heads % sp_size or kv % sp_size:
         return (f"its {heads} attention heads and {kv} key-value heads must both be divisible by "
                 f"ulysses_sequence_parallel_size={sp_size}")

@@ -75,6 +75,9 @@ def test_models_that_cannot_split_are_named():
                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                            num_local_experts=2, num_experts_per_tok=1, attn_implementation="eager"))
     assert "attention sinks" in ulysses.unsupported(sinks, 2)
+    from transformers import MambaConfig, MambaForCausalLM   # no attention at all: named, not an AttributeError
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=4))
+    assert "no attention heads" in ulysses.unsupported(mamba, 2)
 
 
 def test_a_row_splits_into_equal_parts_with_the_row_boundaries():
@@ -270,6 +273,36 @@ def test_vllm_samples_what_a_split_lora_actor_computes(tmp_path):
     for r in records:
         assert r["rollout/logprob_diff"] < 1e-5, r
         assert r["actor/grad_norm"] > 0
+
+
+# a family per feature the split pass must keep (as test_conformance.FAST, less gpt_oss's sinks and
+# mamba, refused for SP): sliding windows, soft-caps, logit and attention scales, GQA
+MUST_SPLIT = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text", "cohere", "cohere2", "granite", "phi3",
+              "starcoder2", "mixtral", "qwen3_moe")
+
+
+@pytest.mark.slow
+def test_registry_walk_split_over_two_ranks_equals_each_models_own_forward(tmp_path):
+    """Every decoder family of tests/model_registry.py, loaded with sp=2 as a run loads it: the split
+    pass's log-probs and entropies (two temperatures) and their gradients equal the model's own
+    forward on each sequence alone (tests/ulysses_registry_worker.py); every family that cannot split
+    is refused at load with its reason in one line (ulysses.unsupported, UNSPLITTABLE), none fails."""
+    out = tmp_path / "families.json"
+    (tmp_path / "work").mkdir()
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "2",
+           "--main_process_port", str(free_port()), str(ROOT / "tests" / "ulysses_registry_worker.py"), str(out),
+           str(tmp_path / "work")]
+    run = forkserver.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    results = json.loads(out.read_text())
+    failed = {family: why for family, why in results.items() if why != "ok" and not why.startswith("refused: ")}
+    assert not failed, "\n".join(f"{family}: {why}" for family, why in failed.items())
+    assert set(MUST_SPLIT) <= {family for family, why in results.items() if why == "ok"}, results
+    for family, why in results.items():
+        if why != "ok":
+            assert "\n" not in why and "ulysses_sequence_parallel_size=2" in why, (family, why)
 
 
 def test_a_model_whose_heads_do_not_split_is_refused_at_load(tmp_path):
