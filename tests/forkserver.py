@@ -65,14 +65,19 @@ def start() -> None:
         return
     _folder = tempfile.mkdtemp(prefix="forkserver_")
     _start("plain")
-    os.environ[ENV] = os.path.join(_folder, "socket")
-    os.environ[ENV + "_VLLM"] = os.path.join(_folder, "socket_vllm")
+    os.environ[ENV] = _socket("plain")
+    os.environ[ENV + "_VLLM"] = _socket(VLLM)
     os.environ[ENV + "_PYTHON"] = sys.executable
 
 
+def _socket(flavour: str) -> str:
+    return os.path.join(_folder, "socket" if flavour == "plain" else f"socket_{flavour}")
+
+
 def _start(flavour: str):
-    path = os.path.join(_folder, "socket" if flavour == "plain" else f"socket_{flavour}")
-    open(path + ".starting", "w").close()
+    path = _socket(flavour)
+    if flavour != "plain":   # warm_python sends a command here only once this server is starting
+        open(path + ".starting", "w").close()
     _servers[flavour] = subprocess.Popen([sys.executable, __file__, "--serve", path, flavour], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, cwd=Path(__file__).parent)
 
@@ -124,7 +129,7 @@ def Popen(cmd, **kwargs) -> subprocess.Popen:  # noqa: N802 (subprocess's name)
     return subprocess.Popen(command(cmd), **kwargs)
 
 
-# ---- the server: `python tests/forkserver.py --serve SOCKET` ----
+# ---- the server: `python tests/forkserver.py --serve SOCKET plain|vllm` ----
 
 def _serve(path: str, flavour: str):
     import importlib
