@@ -252,8 +252,9 @@ def test_reward_module_raising_at_import_is_one_line_without_traceback(tmp_path)
 @pytest.mark.slow
 def test_launch_with_a_deepspeed_config_file_missing_from_the_working_directory(tmp_path):
     """The repository's accelerate configs name their DeepSpeed JSON relative to the repository
-    root: launched from elsewhere, every rank says so in one line (the traceback left is
-    torch's launcher reporting that its children failed)."""
+    root: launched from elsewhere, the ranks say so in one line each (the traceback left is
+    torch's launcher reporting that its children failed). The first rank to fail makes torch's
+    launcher stop the other, which may not have reached its check yet: one line or two, nothing else."""
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
     proc = forkserver.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "2",
@@ -261,10 +262,11 @@ def test_launch_with_a_deepspeed_config_file_missing_from_the_working_directory(
                            f"--output_dir={tmp_path}/out", "--total_training_steps=1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode != 0
-    # one per rank, and nothing else; the ranks share the launcher's stderr, where two lines written
-    # at the same moment can run together (seen under load), so they are counted, not split
+    # at most one per rank, and nothing else; the ranks share the launcher's stderr, where two lines
+    # written at the same moment can run together (seen under load), so they are counted, not split
     said = "error: the accelerate config's deepspeed_config_file ds_configs/zero3.json does not exist"
-    assert proc.stderr.count(said) == 2 and proc.stderr.count("error: ") == 2, proc.stderr[-3000:]
+    assert proc.stderr.count(said) in (1, 2) and proc.stderr.count("error: ") == proc.stderr.count(said), \
+        proc.stderr[-3000:]
     assert 'train_ppo.py", line' not in proc.stderr and 'plugins.py", line' not in proc.stderr
 
 
