@@ -42,11 +42,15 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
                softcap=None, s_aux=None, **kwargs):
     cu = kwargs.get("cu_seq_lens_q")
     extras = softcap is not None or s_aux is not None      # what SDPA cannot do: the explicit form below
+    groups = getattr(module, "num_key_value_groups", 1)
     if cu is None and not extras:
+        if groups > 1 and _grouped_in_place(query, key, value, attention_mask, kwargs):
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                 scale=scaling, enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None                        # [b, T, h, d]
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:                                   # [b, kv, T, d] -> [b, kv * groups, T, d], as repeat_kv
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -74,6 +78,16 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
 
 
 packed_attention = _attention   # what forward/ulysses.py runs on the whole row between its all-to-alls
+
+
+def _grouped_in_place(query, key, value, attention_mask, kwargs) -> bool:
+    """Whether SDPA can read grouped KV heads in place (enable_gqa) where Transformers would copy
+    them: with a mask (left-padded generation, padded micro-batches) it repeats every KV head
+    group-fold, for CUDA's fast kernels, which take no mask with grouped heads. CPU's SDPA takes
+    both, with the same result (the KV-cache copy was 31% of a 2,048-token generation on W5's
+    model). Only the plain case: a boolean or additive mask, no position bias or paged cache."""
+    return (query.device.type == "cpu" and attention_mask is not None and key.shape[-1] == value.shape[-1]
+            and kwargs.get("position_bias") is None and kwargs.get("cache") is None)
 
 
 def _band(n: int, window, device):

@@ -49,6 +49,10 @@ def load_models(cfg: Config):
     family = actor.config.model_type
     if family in REFUSED:
         raise UserError(f"model_path: {family} models are not supported: {REFUSED[family]}")
+    sees_ahead = acausal(actor)
+    if sees_ahead:
+        raise UserError(f"model_path: {type(actor).__name__} ({family}) is not a causal language model: {sees_ahead}; "
+                        "PPO needs each token's probability given only the tokens before it")
     ends = getattr(actor.generation_config, "eos_token_id", None)
     ends = [ends] if isinstance(ends, int) else list(ends or [])
     if ends and tokenizer.eos_token_id not in ends:   # e.g. a tokenizer class's default EOS, added as a new token
@@ -129,6 +133,26 @@ def load_models(cfg: Config):
         if model is not None and on:   # armed here, active only inside recompute_activations()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return tokenizer, actor, critic, ref, reward_model
+
+
+def acausal(model, atol: float = 1e-5):
+    """Why `model` is not causal, or None: its outputs at earlier positions must not move when a
+    later token changes. An encoder built as a decoder without is_decoder (bert-generation) or a
+    permutation LM (XLNet) computes each position from the whole sequence, so its "log-prob" of a
+    response token reads that token, and its sampler (generation's, one token at a time) draws from
+    another distribution than the one trained. Parameters partitioned at load (ZeRO-3 init) cannot
+    run the probe: the family's conformance test stands."""
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return None
+    vocab = model.get_input_embeddings().weight.shape[0]
+    device = model.get_input_embeddings().weight.device
+    ids = (torch.arange(3, 11, device=device) * 5 % vocab)[None]                 # [1, 8]
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % vocab
+    with torch.no_grad():
+        before, after = (model(input_ids=x, use_cache=False).logits[0, :-1].float() for x in (ids, changed))   # [7, V]
+    moved = float((after - before).abs().max()) / max(1.0, float(before.abs().max()))
+    return f"changing its last token moves its outputs at earlier positions (by {moved:.2g})" if moved > atol else None
 
 
 @contextmanager

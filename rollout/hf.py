@@ -4,11 +4,13 @@ Because it generates with the training weights, there is nothing to sync, sleep 
 """
 from __future__ import annotations
 
-from contextlib import ExitStack
+import inspect
+from contextlib import ExitStack, contextmanager
 from typing import Iterable
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from forward.head_logprobs import sampling_support
 from rollout import RolloutOutput, SamplingParams, cut_at_eos
@@ -45,6 +47,7 @@ class HFEngine:
             with torch.no_grad(), ExitStack() as stack:
                 for make_context in self.contexts:
                     stack.enter_context(make_context())
+                stack.enter_context(_tall_head(self.model))
                 for i in range(0, len(expanded), self.micro_batch_size):
                     sampler = None if params.temperature == 0 else Sampler(params)
                     chunk = self._generate_chunk(expanded[i:i + self.micro_batch_size], gen_cfg,
@@ -67,8 +70,11 @@ class HFEngine:
         for row, p in enumerate(prompts):
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
+        cache = growing_cache(self.model, width + gen_cfg.max_new_tokens)          # None: generate() builds its own
+        kept = {"past_key_values": cache} if cache is not None else {}
         out = self.model.generate(ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg,
-                                  logits_processor=processors, synced_gpus=False)   # the caller provides full weights (contexts)
+                                  logits_processor=processors, synced_gpus=False,   # the caller provides full weights (contexts)
+                                  **kept)
         new_tokens = out[:, width:].tolist()                                           # [b, <=R]
         if gen_cfg.eos_token_id is None:   # ignore_eos: every sampled token counts
             return new_tokens
@@ -91,6 +97,77 @@ class HFEngine:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+@contextmanager
+def _tall_head(model):
+    """The LM head of a CPU model computed as weight @ hidden^T for the duration: generation's head
+    sees a few rows (one per sequence) against the whole vocabulary, a shape MKL's sgemm runs 3x
+    slower as hidden @ weight^T (W5's head, 8 rows x 256 -> 32,768: 6.0 against 2.1 ms, most of a
+    decoding step). Same product, summed in another order (logits agree to float rounding)."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.weight.device.type != "cpu":
+        yield
+        return
+
+    def forward(hidden):                                                       # [..., H]
+        logits = torch.mm(head.weight, hidden.reshape(-1, hidden.shape[-1]).T).T   # [n, V]
+        if head.bias is not None:
+            logits = logits + head.bias
+        return logits.reshape(*hidden.shape[:-1], logits.shape[-1])              # [..., V]
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+class _GrowingLayer(DynamicLayer):
+    """A full-attention layer's KV cache written in place into buffers of the generation's whole
+    length, its keys and values views of the filled part: Transformers' DynamicLayer concatenates
+    the whole cache with each step's keys (torch.cat, O(length) a step: 20% of W5's 1,024-token
+    generation). Whatever replaces the views (a crop, a batch selection) is copied into new buffers
+    at the next update."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self._buffers = None                                                   # (keys, values) [b, h, capacity, d]
+        self._views = (None, None)                                             # what update() last returned
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        filled = self.get_seq_length()
+        new = key_states.shape[-2]
+        if self._buffers is None or self.keys is not self._views[0] or filled + new > self._buffers[0].shape[-2]:
+            size = max(self.capacity, 2 * (filled + new))
+            self._buffers = tuple(
+                x.new_empty(*x.shape[:-2], size, x.shape[-1]) for x in (key_states, value_states))
+            if filled:
+                self._buffers[0][..., :filled, :] = self.keys
+                self._buffers[1][..., :filled, :] = self.values
+        self._buffers[0][..., filled:filled + new, :] = key_states
+        self._buffers[1][..., filled:filled + new, :] = value_states
+        self._views = (self._buffers[0][..., :filled + new, :], self._buffers[1][..., :filled + new, :])
+        self.keys, self.values = self._views
+        return self.keys, self.values
+
+
+def growing_cache(model, capacity: int):
+    """The DynamicCache generate() would build for `model`, with its full-attention layers as
+    _GrowingLayer of `capacity` positions; None where generate() builds another kind (recurrent
+    and hybrid families keep theirs, and families that cache nothing)."""
+    forward = getattr(model, "get_base_model", lambda: model)().forward      # a LoRA actor: its base model's
+    if (model.config.is_encoder_decoder or not model._supports_default_dynamic_cache()
+            or "past_key_values" not in inspect.signature(forward).parameters):
+        return None
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    if not cache.layers or any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
+        return None
+    cache.layers = [_GrowingLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 class Sampler(LogitsProcessor):
