@@ -18,50 +18,63 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     """Log-prob (and entropy) of each response token under `model` -> [B, R] each; with
     truncation=(top_k, top_p) also, third, the log-prob under the distribution a sampler with those
     settings draws from (cut and renormalised, no grad), from the same forward pass.
-    Only the B x R positions that predict response tokens reach the LM head. There the chunked
-    head_logprobs takes the head's input and computes both without ever holding the [B, R, V]
-    logits; the head itself is handed an empty input, and the model's own logit scale and soft-cap
-    (load_models' head_transform) are applied there. Where that cannot be done (a head with a bias
-    or an adapter, other post-processing of the logits, or ZeRO-3, whose partitioned weight exists
-    only inside the head's own forward) the logits are made and reduced one sequence at a time. The entropy builds a graph
-    only when it is part of the loss (entropy_grad)."""
+    Only the positions that predict response tokens reach the LM head (the numbers after a shorter
+    response's end are 0). There the chunked head_logprobs takes the head's input and computes both
+    without ever holding the [B, R, V] logits; the head itself is handed an empty input, and the
+    model's own logit scale and soft-cap (load_models' head_transform) are applied there. Where
+    that cannot be done (a head with a bias or an adapter, other post-processing of the logits, or
+    ZeRO-3, whose partitioned weight exists only inside the head's own forward) the logits are made
+    and reduced one sequence at a time. The entropy builds a graph only when it is part of the loss
+    (entropy_grad)."""
     if ulysses.size() > 1:
         return _sharded_logprobs(model, batch, temperature, with_entropy, entropy_grad, truncation)
     B, R = batch["responses"].shape
+    # only response tokens reach the head, not the padding after the shorter responses (their
+    # numbers are 0): with responses of very different lengths that padding was up to half the work
+    real = batch["attention_mask"][:, -R:].reshape(-1).bool()                    # [B * R]
     head, transform, fused, captured, hook = _head_input(model)
     try:
         packed = _packed(model, batch)
         W = batch["input_ids"].shape[1]
-        keep = (packed.response_index.reshape(-1) if packed is not None         # [B * R] or [R]
+        keep = (packed.response_index.reshape(-1)[real] if packed is not None    # [n] or, every row's, [R]
                 else torch.arange(W - R - 1, W - 1, device=batch["input_ids"].device))
         out = _forward(model, batch, packed, logits_to_keep=keep)
     finally:
         if hook is not None:
             hook.remove()
     _test_oom(batch)
+    tokens = batch["responses"].reshape(-1)[real]                                 # [n]
     if fused:
-        hidden = captured[0]                                                      # [B, R, H] or [1, B * R, H]
-        logprob, entropy = head_logprobs(hidden.reshape(B * R, -1), head.weight, batch["responses"].reshape(-1),
-                                         temperature, *transform)
-        logprob, entropy = logprob.view(B, R), entropy.view(B, R)
+        hidden = captured[0].reshape(-1, captured[0].shape[-1])                   # [n, H] packed, [B * R, H] padded
+        hidden = hidden if packed is not None else hidden[real]                   # [n, H]
+        logprob, entropy = (_spread(x, real).view(B, R)
+                            for x in head_logprobs(hidden, head.weight, tokens, temperature, *transform))
         entropy = (entropy if entropy_grad else entropy.detach()) if with_entropy else None
         if truncation is None:
             return logprob, entropy
-        truncated = truncated_logprobs(hidden.reshape(B * R, -1), head.weight, batch["responses"].reshape(-1),
-                                       temperature, *truncation, *transform)
-        return logprob, entropy, truncated.view(B, R)
-    logits = out.logits.view(B, R, -1)                                            # [B, R, V]
-    logprob = torch.stack([_token_logprobs(_scaled(row, temperature), tokens)
-                           for row, tokens in zip(logits, batch["responses"])])  # [B, R]
+        truncated = truncated_logprobs(hidden, head.weight, tokens, temperature, *truncation, *transform)
+        return logprob, entropy, _spread(truncated, real).view(B, R)
+    # the model's own logits, one sequence at a time: its response tokens ([r, V]) packed, its row ([R, V]) padded
+    if packed is not None:
+        counts = real.view(B, R).sum(-1).tolist()
+        rows = list(zip(out.logits[0].split(counts), tokens.split(counts)))
+
+        def put(per_row):                                                         # [r] each -> [B, R]
+            return _spread(torch.cat(per_row), real).view(B, R)
+    else:
+        rows = list(zip(out.logits.view(B, R, -1), batch["responses"]))
+
+        def put(per_row):                                                         # [R] each -> [B, R]
+            return torch.stack(per_row).masked_fill(~real.view(B, R), 0.0)
+    logprob = put([_token_logprobs(_scaled(z, temperature), t) for z, t in rows])
     entropy = None
     if with_entropy:
         with nullcontext() if entropy_grad else torch.no_grad():
-            entropy = torch.stack([entropy_from_logits(_scaled(row, temperature)) for row in logits])  # [B, R]
+            entropy = put([entropy_from_logits(_scaled(z, temperature)) for z, _ in rows])
     if truncation is None:
         return logprob, entropy
     with torch.no_grad():
-        truncated = torch.stack([support_logprobs(_scaled(row, temperature), tokens, *truncation)
-                                 for row, tokens in zip(logits, batch["responses"])])  # [B, R]
+        truncated = put([support_logprobs(_scaled(z, temperature), t, *truncation) for z, t in rows])
     return logprob, entropy, truncated
 
 
@@ -86,7 +99,7 @@ def _sharded_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     packed = packing.pack(batch)
     part = ulysses.split(packed)
     index = packed.response_index.reshape(-1)                                     # [B * R] row positions
-    mine = part.mine(index)                                                       # [B * R]
+    mine = part.mine(index) & batch["attention_mask"][:, -R:].reshape(-1).bool()  # [B * R]: response tokens here
     tokens = batch["responses"].reshape(-1)[mine]                                 # [n]
     head, transform, fused, captured, hook = _head_input(model)
     try:
@@ -120,6 +133,11 @@ def _sharded_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     if truncation is None:
         return logprob, entropy
     return logprob, entropy, ulysses.combine(truncated, mine).view(B, R)
+
+
+def _spread(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """values [n] at the n True places of where [N] -> [N], zeros elsewhere (differentiable)."""
+    return values.new_zeros(where.shape).masked_scatter(where, values)
 
 
 def _test_oom(batch: dict) -> None:

@@ -96,9 +96,6 @@ def saved(tmp_path_factory):
     return get
 
 
-# built with their defaults these attend to later tokens (an encoder without is_decoder, a permutation LM):
-# load_models refuses them (the sampler drew from another distribution than the one trained: 4e-3 and 0.5 nats)
-ACAUSAL = ("bert-generation", "xlnet")
 # one family per feature the fast paths must honour, in the default run; the rest of the registry is marked slow
 FAST = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text", "cohere", "granite", "gpt_oss", "phi3", "starcoder2",
         "mamba")
@@ -115,7 +112,7 @@ def test_actor_and_ref_log_probs_match_the_models_own_forward(model_type, saved,
         message = str(refused.value)
         assert "\n" not in message and model_type in message and loading.REFUSED[model_type] in message
         return
-    if model_type in ACAUSAL:
+    if model_type in model_registry.ACAUSAL:
         with pytest.raises(UserError, match=r"^model_path: \w+ \(" + model_type + r"\) is not a causal language model: "
                                             r"changing its last token moves its outputs at earlier positions"):
             load_models(cfg)
@@ -132,7 +129,7 @@ def test_actor_and_ref_log_probs_match_the_models_own_forward(model_type, saved,
 
 @pytest.mark.parametrize("model_type", [t if t in FAST else pytest.param(t, marks=pytest.mark.slow)
                                         for t in model_registry.families()
-                                        if t not in loading.REFUSED and t not in ACAUSAL])
+                                        if t not in loading.REFUSED and t not in model_registry.ACAUSAL])
 def test_hf_engine_samples_from_the_models_own_distribution(model_type, saved):
     """The hf engine's decoding (left-padded rows, its in-place KV cache, grouped KV heads read in
     place, the head as weight @ hidden^T) against the model's own forward on each whole sequence."""
@@ -145,6 +142,24 @@ def test_hf_engine_samples_from_the_models_own_distribution(model_type, saved):
         expected, _ = reference(twin, temperature, PROMPTS, out.responses)
         for drawn, own in zip(out.logprobs, expected):
             torch.testing.assert_close(torch.tensor(drawn), own, **TOL)
+
+
+@pytest.mark.parametrize("head", ["chunked", "model's own logits"])
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_positions_after_a_shorter_response_read_zero_and_the_rest_stays_exact(saved, monkeypatch, layout, head):
+    """The head sees only response tokens: past each response's end the numbers are 0, on every
+    path, and the response tokens' still equal the model's own forward."""
+    _, actor, _, _, _ = load_models(Config(model_path=str(saved("qwen2")), remove_padding=True))
+    if head != "chunked":
+        actor.head_transform = None                 # what a head the chunked path cannot take gets
+    monkeypatch.setattr(packing, "worth_it", lambda batch, min_saving=0.1: layout == "packed")
+    batch = pack_batch(PROMPTS, RESPONSES, pad_id=0)
+    logprob, entropy, truncated = response_logprobs(actor, batch, 0.7, with_entropy=True, truncation=(5, 0.9))
+    beyond = batch["attention_mask"][:, -batch["responses"].shape[1]:] == 0      # [B, R]
+    assert beyond.any()
+    for x in (logprob, entropy, truncated):
+        assert not x[beyond].any() and x[~beyond].ne(0).all()
+    check(actor, eager_twin(actor), 0.7)
 
 
 def test_a_refused_family_stops_at_load_with_one_line_naming_it(saved, monkeypatch, capsys):
