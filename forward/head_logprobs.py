@@ -114,7 +114,7 @@ class _HeadLogprobs(torch.autograd.Function):
 
 
 def _logits(hidden, weight, temperature, dtype, scale=1.0, softcap=None):
-    if hidden.device.type == "cpu":   # a [r, V] view of weight @ hidden^T [V, r]: MKL's faster shape (TALL)
+    if hidden.device.type == "cpu":   # a [r, V] view of weight @ hidden^T [V, r]: the shape MKL runs faster
         z = torch.mm(weight, hidden.to(dtype).t()).t().float()                            # [r, V]
     else:
         z = (hidden.to(dtype) @ weight.t()).float()                                      # [r, V]
