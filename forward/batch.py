@@ -80,6 +80,11 @@ def mini_batches(batch: dict, size: int):
         yield select(batch, slice(start, start + size))
 
 
+def spread(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """values [n] at the n True places of where [N] -> [N], zeros elsewhere (differentiable)."""
+    return values.new_zeros(where.shape).masked_scatter(where, values)
+
+
 def micro_batches(batch: dict, size: int, max_tokens: int = 0, agree=None) -> list[tuple[torch.Tensor, dict]]:
     """-> [(row indices, micro-batch)]: `size` sequences of similar length each, or with
     max_tokens > 0 groups within that token budget, each trimmed to its own longest sequence. agree(count) -> the count

@@ -113,11 +113,18 @@ class _HeadLogprobs(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+def head_matmul(hidden, weight):
+    """hidden [r, H] @ weight[V, H]^T -> [r, V]. On a CPU as a view of weight @ hidden^T [V, r]:
+    MKL runs a few rows against a large vocabulary up to 3x faster that way round (W5's head, 8
+    rows x 256 -> 32,768: 6.0 against 2.1 ms; 128 rows: 1.4x), and elementwise work and both
+    gradient matmuls read the transposed layout as it is. The same sums in another order."""
+    if hidden.device.type == "cpu":
+        return torch.mm(weight, hidden.t()).t()                                           # [r, V]
+    return hidden @ weight.t()                                                            # [r, V]
+
+
 def _logits(hidden, weight, temperature, dtype, scale=1.0, softcap=None):
-    if hidden.device.type == "cpu":   # a [r, V] view of weight @ hidden^T [V, r]: the shape MKL runs faster
-        z = torch.mm(weight, hidden.to(dtype).t()).t().float()                            # [r, V]
-    else:
-        z = (hidden.to(dtype) @ weight.t()).float()                                      # [r, V]
+    z = head_matmul(hidden.to(dtype), weight).float()                                    # [r, V]
     if scale != 1.0:
         z.mul_(scale)
     if softcap is not None:

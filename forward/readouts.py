@@ -10,6 +10,7 @@ import torch
 
 from core_algos import entropy_from_logits
 from forward import packing, ulysses
+from forward.batch import spread
 from forward.head_logprobs import head_logprobs, support_logprobs, truncated_logprobs
 
 
@@ -47,20 +48,20 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     if fused:
         hidden = captured[0].reshape(-1, captured[0].shape[-1])                   # [n, H] packed, [B * R, H] padded
         hidden = hidden if packed is not None else hidden[real]                   # [n, H]
-        logprob, entropy = (_spread(x, real).view(B, R)
+        logprob, entropy = (spread(x, real).view(B, R)
                             for x in head_logprobs(hidden, head.weight, tokens, temperature, *transform))
         entropy = (entropy if entropy_grad else entropy.detach()) if with_entropy else None
         if truncation is None:
             return logprob, entropy
         truncated = truncated_logprobs(hidden, head.weight, tokens, temperature, *truncation, *transform)
-        return logprob, entropy, _spread(truncated, real).view(B, R)
+        return logprob, entropy, spread(truncated, real).view(B, R)
     # the model's own logits, one sequence at a time: its response tokens ([r, V]) packed, its row ([R, V]) padded
     if packed is not None:
         counts = real.view(B, R).sum(-1).tolist()
         rows = list(zip(out.logits[0].split(counts), tokens.split(counts)))
 
         def put(per_row):                                                         # [r] each -> [B, R]
-            return _spread(torch.cat(per_row), real).view(B, R)
+            return spread(torch.cat(per_row), real).view(B, R)
     else:
         rows = list(zip(out.logits.view(B, R, -1), batch["responses"]))
 
@@ -133,11 +134,6 @@ def _sharded_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     if truncation is None:
         return logprob, entropy
     return logprob, entropy, ulysses.combine(truncated, mine).view(B, R)
-
-
-def _spread(values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-    """values [n] at the n True places of where [N] -> [N], zeros elsewhere (differentiable)."""
-    return values.new_zeros(where.shape).masked_scatter(where, values)
 
 
 def _test_oom(batch: dict) -> None:

@@ -41,6 +41,7 @@ from contextlib import contextmanager
 import torch
 
 from forward import packing
+from forward.batch import spread
 
 _group = None          # this rank's SP process group (DeepSpeed's parallel_state_sp)
 _size = 1
@@ -198,7 +199,7 @@ def combine(values: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
     """values [n] computed where mine [N] is True -> [N] over the whole group: each position is
     one rank's, the others add zeros, so the sum is that rank's number exactly. Differentiable
     (its backward sums the gradients over the group, each rank keeping its own positions')."""
-    full = values.new_zeros(mine.shape).masked_scatter(mine, values)                      # [N]
+    full = spread(values, mine)                                                           # [N]
     if torch.is_grad_enabled() and full.requires_grad:
         import torch.distributed.nn.functional as dist_nn
         return dist_nn.all_reduce(full, group=_group)

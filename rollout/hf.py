@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from forward.head_logprobs import sampling_support
+from forward.head_logprobs import head_matmul, sampling_support
 from rollout import RolloutOutput, SamplingParams, cut_at_eos
 
 
@@ -101,17 +101,16 @@ class HFEngine:
 
 @contextmanager
 def _tall_head(model):
-    """The LM head of a CPU model computed as weight @ hidden^T for the duration: generation's head
-    sees a few rows (one per sequence) against the whole vocabulary, a shape MKL's sgemm runs 3x
-    slower as hidden @ weight^T (W5's head, 8 rows x 256 -> 32,768: 6.0 against 2.1 ms, most of a
-    decoding step). Same product, summed in another order (logits agree to float rounding)."""
+    """The LM head of a CPU model run through head_logprobs.head_matmul for the duration:
+    generation's head sees a few rows (one per sequence) against the whole vocabulary, the shape
+    where that is 3x faster (most of a W5 decoding step). Logits agree to float rounding."""
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.weight.device.type != "cpu":
         yield
         return
 
     def forward(hidden):                                                       # [..., H]
-        logits = torch.mm(head.weight, hidden.reshape(-1, hidden.shape[-1]).T).T   # [n, V]
+        logits = head_matmul(hidden.reshape(-1, hidden.shape[-1]), head.weight)  # [n, V]
         if head.bias is not None:
             logits = logits + head.bias
         return logits.reshape(*hidden.shape[:-1], logits.shape[-1])              # [..., V]
