@@ -93,11 +93,11 @@ def setup(sp_size: int) -> None:
 # Families whose split pass fails (tests/test_ulysses.py's registry walk, transformers 5.19 and
 # DeepSpeed 0.19.8: each stops with an error there, none computes wrong numbers); refused at load.
 _NO_POSITIONS = "its attention layers get no position_ids, which DeepSpeed's ALST asserts it needs"
+_FUSED_QKV = "its fused query/key/value projection does not fit ALST's split (a shape error in the split pass)"
 UNSPLITTABLE = {
     "ctrl": _NO_POSITIONS, "gpt_bigcode": _NO_POSITIONS, "llama4_text": _NO_POSITIONS, "ministral3": _NO_POSITIONS,
     "persimmon": _NO_POSITIONS,
-    "gpt2": "its fused query/key/value projection does not fit ALST's split (a shape error in the split pass)",
-    "gpt-sw3": "its fused query/key/value projection does not fit ALST's split (a shape error in the split pass)",
+    "gpt2": _FUSED_QKV, "gpt-sw3": _FUSED_QKV,
     "diffllama": "its differential attention normalises over all heads, which ALST divides (a shape error)",
     "jetmoe": "its mixture of attention heads does not fit ALST's head layout (DeepSpeed rejects the key/value shapes)",
     "hrm_text": "its split pass fails with a shape error in attention (not diagnosed)",
