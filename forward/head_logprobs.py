@@ -9,11 +9,13 @@ softcap * tanh(x / softcap)), so z = softcap * tanh(scale * h W^T / softcap) / t
 The plain way, logits = hidden @ weight.T then log-softmax, holds an [N, V] tensor per
 micro-batch and several more of the same size in its backward (the softmax, the gradient of the
 logits, the gradient of the slice the logits came from). With a 32k-token vocabulary those
-element-wise passes over N x V floats cost more than the matmuls. Here the logits exist one chunk
-of rows at a time (`rows` x V, small enough to stay in cache): the forward keeps only the
-log-sum-exp per row, and the backward recomputes each chunk's logits (one extra matmul) and turns
-them straight into the gradients of hidden and weight. Same numbers as the plain way, up to fp32
-rounding (tests/test_head_logprobs.py checks values and gradients against autograd).
+element-wise passes over N x V floats cost more than the matmuls. Here the logits exist one block
+at a time (`blocks`: on a CPU a tile of rows x part of the vocabulary, small enough to stay in
+cache, the log-sum-exp carried online across a row's tiles; on a GPU a chunk of whole rows): the
+forward keeps only the log-sum-exp and entropy per row, and the backward recomputes each block's
+logits (one extra matmul) and turns them straight into the gradients of hidden and weight. Same
+numbers as the plain way, up to fp32 rounding (tests/test_packing.py and tests/test_head_fidelity.py
+check values and gradients against autograd).
 
 Gradients flow from the log-prob and, when it is part of the loss, from the entropy:
   d logprob_i / d z_j = [j == token] - p_j
@@ -29,19 +31,60 @@ with them like for like.
 """
 import torch
 
-CHUNK_ELEMENTS = 1 << 22    # logits per chunk on CPUs: 4M floats (16 MB), e.g. 128 rows of a 32k vocabulary
+CHUNK_ELEMENTS = 1 << 22    # truncated_logprobs' whole rows on CPUs: 4M floats (16 MB), e.g. 128 rows of a 32k vocabulary
+# head_logprobs on CPUs: tiles of TILE_ROWS rows x TILE_COLS vocabulary entries (2 MB of logits), the
+# log-sum-exp carried online across a row block's tiles. A tile's element-wise passes run in cache,
+# where whole rows of a 32k vocabulary (16 MB a chunk) went to memory for each pass: W5's head
+# (1,400 tokens x 32,768 x 256) took 320 -> 180 ms forward, 820 -> 590 ms forward and backward
+TILE_ROWS = 512
+TILE_COLS = 1024
 # on GPUs a chunk is a matmul: too few rows leave the device idle (13 rows of a 152k vocabulary
 # cost one kernel launch and one full read of the [V, H] weight each), so chunks go by rows,
-# at least CUDA_MIN_ROWS, and up to 256M logits (1 GB in fp32; a few such buffers live at once)
+# at least CUDA_MIN_ROWS, up to 256M logits (1 GB in fp32; a few such buffers live at once), and
+# each holds the whole vocabulary
 CUDA_MIN_ROWS = 1024
 CUDA_CHUNK_ELEMENTS = 1 << 28
 
 
 def chunk_rows(vocab: int, device_type: str) -> int:
-    """Rows of hidden states whose logits are made at once, for a vocabulary of `vocab` on a device."""
+    """Rows of hidden states whose logits over the whole vocabulary of `vocab` are made at once."""
     if device_type == "cuda":
         return max(CUDA_MIN_ROWS, CUDA_CHUNK_ELEMENTS // vocab)
     return max(1, CHUNK_ELEMENTS // vocab)
+
+
+def blocks(vocab: int, device_type: str) -> tuple[int, int]:
+    """(rows, columns) of the logits head_logprobs makes at once: CPU tiles, or GPU row chunks."""
+    if device_type == "cpu":
+        return TILE_ROWS, min(TILE_COLS, vocab)
+    return chunk_rows(vocab, device_type), vocab
+
+
+def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap):
+    """h [r, H] -> (logprob, entropy, lse) [r] each, the vocabulary `cols` at a time. Per row it
+    carries the largest logit so far m, total = sum exp(z - m) and spread = sum exp(z - m) (z - m),
+    both rescaled when m grows; then lse = m + log total and the entropy -sum p log p =
+    log total - spread / total: sums of small same-signed terms, exact also when the entropy is low."""
+    chosen = h.new_empty(h.shape[0], dtype=torch.float32)
+    top = total = spread = None
+    home = tokens // cols                                                          # [r] each token's block
+    for j, v0 in enumerate(range(0, w.shape[0], cols)):
+        z = _logits(h, w[v0:v0 + cols], t, dtype, scale, softcap)                  # [r, c]
+        here = (home == j).nonzero().squeeze(1)
+        chosen[here] = z[here, tokens[here] - v0]
+        m = z.amax(-1) if top is None else torch.maximum(top, z.amax(-1))          # [r]
+        z = z.sub_(m[:, None])
+        e = z.exp()
+        if top is None:
+            total, spread = e.sum(-1), (e * z).sum(-1)
+        else:
+            shift = top - m                                                        # <= 0
+            grow = shift.exp()
+            spread = grow * (spread + total * shift) + (e * z).sum(-1)
+            total = grow * total + e.sum(-1)
+        top = m
+    lse = top + total.log()
+    return chosen - lse, total.log() - spread / total, lse
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -49,18 +92,14 @@ class _HeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, tokens, temperature, compute_dtype, scale, softcap):
         ctx.set_materialize_grads(False)
         n = hidden.shape[0]
-        rows = chunk_rows(weight.shape[0], hidden.device.type)
+        rows, cols = blocks(weight.shape[0], hidden.device.type)
         logprob = hidden.new_empty(n, dtype=torch.float32)
         entropy = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
         w = weight.to(compute_dtype)
         for s in range(0, n, rows):
-            z = _logits(hidden[s:s + rows], w, temperature, compute_dtype, scale, softcap)   # [r, V]
-            lse[s:s + rows] = torch.logsumexp(z, dim=-1)
-            logprob[s:s + rows] = z.gather(1, tokens[s:s + rows, None]).squeeze(1) - lse[s:s + rows]
-            log_p = z.sub_(lse[s:s + rows, None])                                        # log-softmax, in place
-            # -sum p log p: no cancellation between large terms (logsumexp - E_p[z] has it when entropy is low)
-            entropy[s:s + rows] = -(log_p.exp() * log_p).sum(-1)
+            logprob[s:s + rows], entropy[s:s + rows], lse[s:s + rows] = _block_forward(
+                hidden[s:s + rows], w, tokens[s:s + rows], cols, temperature, compute_dtype, scale, softcap)
         ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
         ctx.temperature, ctx.compute_dtype, ctx.scale, ctx.softcap = temperature, compute_dtype, scale, softcap
         return logprob, entropy
@@ -73,44 +112,63 @@ class _HeadLogprobs(torch.autograd.Function):
         if grad_logprob is None and grad_entropy is None:
             return None, None, None, None, None, None, None
         n = hidden.shape[0]
-        rows = chunk_rows(weight.shape[0], hidden.device.type)
+        rows, cols = blocks(weight.shape[0], hidden.device.type)
         w = weight.to(dtype)
-        grad_hidden = torch.empty_like(hidden) if need_h else None
+        # accumulated in fp32 over the vocabulary's blocks (hidden) and the row blocks (weight)
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for s in range(0, n, rows):
-            h = hidden[s:s + rows]
-            z = _logits(h, w, t, dtype, ctx.scale, ctx.softcap)                            # [r, V]
-            # the soft-cap's derivative from its output: 1 - tanh^2, tanh = z * t / softcap
-            capped = None if ctx.softcap is None else 1.0 - (z * (t / ctx.softcap)).square_()   # [r, V]
-            log_p = z.sub_(lse[s:s + rows, None])
-            p = log_p.exp()                                                               # softmax
-            if grad_entropy is not None:   # -g_ent * p * (log p + H)
-                gz = log_p.add_(entropy[s:s + rows, None]).mul_(p)
-                gz.mul_(-grad_entropy[s:s + rows, None])
-                if grad_logprob is not None:
-                    gz.sub_(p.mul_(grad_logprob[s:s + rows, None]))
-            else:
-                gz = p.mul_(-grad_logprob[s:s + rows, None])
-            if grad_logprob is not None:   # g_lp * (onehot - p): the onehot part
-                gz.scatter_add_(1, tokens[s:s + rows, None], grad_logprob[s:s + rows, None].float())
-            if t != 1.0:
-                gz.div_(t)
-            if capped is not None:
-                gz.mul_(capped)
-            if ctx.scale != 1.0:
-                gz.mul_(ctx.scale)
-            gz = gz.to(dtype)
-            if need_h:
-                grad_hidden[s:s + rows] = (gz @ w).to(hidden.dtype)
-            if need_w:   # accumulated in fp32 whatever the compute dtype
-                if dtype == torch.float32:
-                    grad_weight.addmm_(gz.t(), h)
-                elif gz.device.type == "cuda":   # the bf16 matmul accumulates into fp32: no [V, H] temporaries
-                    torch.addmm(grad_weight, gz.t(), h.to(dtype), out_dtype=torch.float32, out=grad_weight)
-                else:
-                    grad_weight += (gz.t() @ h.to(dtype)).float()
-        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None, None, None, None, None)
+            h, tok = hidden[s:s + rows], tokens[s:s + rows]
+            g_lp = None if grad_logprob is None else grad_logprob[s:s + rows, None]            # [r, 1]
+            g_ent = None if grad_entropy is None else grad_entropy[s:s + rows, None]
+            home = tok // cols
+            for j, v0 in enumerate(range(0, weight.shape[0], cols)):
+                wb = w[v0:v0 + cols]
+                here = (home == j).nonzero().squeeze(1)                                    # rows whose token is here
+                gz = _grad_logits(_logits(h, wb, t, dtype, ctx.scale, ctx.softcap), lse[s:s + rows, None],
+                                  entropy[s:s + rows, None], g_lp, g_ent, (here, tok[here] - v0),
+                                  t, ctx.scale, ctx.softcap).to(dtype)
+                if need_h:
+                    _accumulate(grad_hidden[s:s + rows], gz, wb)
+                if need_w:
+                    _accumulate(grad_weight[v0:v0 + cols], gz.t(), h.to(dtype))
+        return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+                None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None)
+
+
+def _grad_logits(z, lse, entropy, g_lp, g_ent, chosen, t: float, scale: float, softcap):
+    """d loss / d (h W^T) for one block of logits z [r, c] (temperature-scaled, post-processed):
+    g_lp (onehot - p) - g_ent p (log p + H), through temperature, soft-cap and scale; `chosen`
+    (rows, columns) places the onehot of the rows whose token lies in this block. Overwrites z."""
+    # the soft-cap's derivative from its output: 1 - tanh^2, tanh = z * t / softcap
+    capped = None if softcap is None else 1.0 - (z * (t / softcap)).square_()               # [r, c]
+    log_p = z.sub_(lse)
+    p = log_p.exp()                                                                        # softmax
+    if g_ent is not None:   # -g_ent * p * (log p + H)
+        gz = log_p.add_(entropy).mul_(p).mul_(-g_ent)
+        if g_lp is not None:
+            gz.sub_(p.mul_(g_lp))
+    else:
+        gz = p.mul_(-g_lp)
+    if g_lp is not None:
+        gz.index_put_(chosen, g_lp[chosen[0], 0], accumulate=True)
+    if t != 1.0:
+        gz.div_(t)
+    if capped is not None:
+        gz.mul_(capped)
+    if scale != 1.0:
+        gz.mul_(scale)
+    return gz
+
+
+def _accumulate(out, a, b):
+    """out (fp32) += a @ b, whatever the compute dtype of a and b."""
+    if a.dtype == torch.float32:
+        out.addmm_(a, b)
+    elif a.device.type == "cuda":   # the bf16 matmul accumulates into fp32: no temporaries
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+    else:
+        out += (a @ b).float()
 
 
 def head_matmul(hidden, weight):

@@ -16,8 +16,11 @@ def autograd_reference(hidden, weight, tokens, temperature, scale, softcap):
 
 @pytest.mark.parametrize("scale, softcap", [(0.5, None), (1.0, 2.0), (0.25, 3.0)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_scaled_and_soft_capped_logits_give_autograds_values_and_gradients(scale, softcap, temperature, monkeypatch):
-    monkeypatch.setattr(hl, "CHUNK_ELEMENTS", 3 * 50)     # several chunks of 3 rows
+@pytest.mark.parametrize("cols", [16, 50])   # the vocabulary in tiles, or whole (GPUs' chunks)
+def test_scaled_and_soft_capped_logits_give_autograds_values_and_gradients(scale, softcap, temperature, cols,
+                                                                          monkeypatch):
+    monkeypatch.setattr(hl, "TILE_ROWS", 3)               # several blocks of 3 rows
+    monkeypatch.setattr(hl, "TILE_COLS", cols)
     g = torch.Generator().manual_seed(0)
     hidden = (3 * torch.randn(10, 16, generator=g)).requires_grad_()
     weight = torch.randn(50, 16, generator=g).requires_grad_()
@@ -39,3 +42,6 @@ def test_chunks_go_by_rows_on_cuda_and_by_cache_on_cpu():
     assert hl.chunk_rows(32_000, "cuda") >= 1024
     assert hl.chunk_rows(151_936, "cuda") * 151_936 <= 2 ** 30   # a chunk's fp32 logits stay within 4 GB
     assert hl.chunk_rows(151_936, "cpu") * 151_936 <= hl.CHUNK_ELEMENTS
+    assert hl.blocks(151_936, "cuda") == (hl.chunk_rows(151_936, "cuda"), 151_936)   # whole rows on GPUs
+    rows, cols = hl.blocks(151_936, "cpu")
+    assert rows * cols * 4 <= 4 << 20                      # a CPU tile's fp32 logits stay in cache

@@ -109,8 +109,10 @@ def test_load_models_packs_every_model_only_when_asked(remove_padding):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 @pytest.mark.parametrize("with_entropy_grad", [False, True])
-def test_head_logprobs_equals_log_softmax_in_values_and_gradients(temperature, with_entropy_grad, monkeypatch):
-    monkeypatch.setattr("forward.head_logprobs.CHUNK_ELEMENTS", 7 * 50)   # 7 rows a chunk: chunks end mid-batch
+@pytest.mark.parametrize("cols", [16, 50])   # the vocabulary in 4 tiles (the last narrower), or whole (GPUs' chunks)
+def test_head_logprobs_equals_log_softmax_in_values_and_gradients(temperature, with_entropy_grad, cols, monkeypatch):
+    monkeypatch.setattr("forward.head_logprobs.TILE_ROWS", 7)            # 7 rows a block: blocks end mid-batch
+    monkeypatch.setattr("forward.head_logprobs.TILE_COLS", cols)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(30, 16, generator=g, requires_grad=True)
     weight = torch.randn(50, 16, generator=g, requires_grad=True)
