@@ -35,7 +35,7 @@ CHUNK_ELEMENTS = 1 << 22    # truncated_logprobs' whole rows on CPUs: 4M floats 
 # head_logprobs on CPUs: tiles of TILE_ROWS rows x TILE_COLS vocabulary entries (2 MB of logits), the
 # log-sum-exp carried online across a row block's tiles. A tile's element-wise passes run in cache,
 # where whole rows of a 32k vocabulary (16 MB a chunk) went to memory for each pass: W5's head
-# (1,400 tokens x 32,768 x 256) took 320 -> 180 ms forward, 820 -> 590 ms forward and backward
+# (1,400 tokens x 32,768 x 256) took 320 -> 200 ms forward, 820 -> 630 ms forward and backward
 TILE_ROWS = 512
 TILE_COLS = 1024
 # on GPUs a chunk is a matmul: too few rows leave the device idle (13 rows of a 152k vocabulary
@@ -65,13 +65,12 @@ def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap):
     carries the largest logit so far m, total = sum exp(z - m) and spread = sum exp(z - m) (z - m),
     both rescaled when m grows; then lse = m + log total and the entropy -sum p log p =
     log total - spread / total: sums of small same-signed terms, exact also when the entropy is low."""
-    chosen = h.new_empty(h.shape[0], dtype=torch.float32)
+    chosen = h.new_full((h.shape[0],), float("nan"), dtype=torch.float32)         # a token past the last block: NaN, not a stale number
     top = total = spread = None
-    home = tokens // cols                                                          # [r] each token's block
     for j, v0 in enumerate(range(0, w.shape[0], cols)):
         z = _logits(h, w[v0:v0 + cols], t, dtype, scale, softcap)                  # [r, c]
-        here = (home == j).nonzero().squeeze(1)
-        chosen[here] = z[here, tokens[here] - v0]
+        here = _in_block(tokens, cols, j, w.shape[0])
+        chosen[here[0]] = z[here]
         m = z.amax(-1) if top is None else torch.maximum(top, z.amax(-1))          # [r]
         z = z.sub_(m[:, None])
         e = z.exp()
@@ -121,12 +120,10 @@ class _HeadLogprobs(torch.autograd.Function):
             h, tok = hidden[s:s + rows], tokens[s:s + rows]
             g_lp = None if grad_logprob is None else grad_logprob[s:s + rows, None]            # [r, 1]
             g_ent = None if grad_entropy is None else grad_entropy[s:s + rows, None]
-            home = tok // cols
             for j, v0 in enumerate(range(0, weight.shape[0], cols)):
                 wb = w[v0:v0 + cols]
-                here = (home == j).nonzero().squeeze(1)                                    # rows whose token is here
                 gz = _grad_logits(_logits(h, wb, t, dtype, ctx.scale, ctx.softcap), lse[s:s + rows, None],
-                                  entropy[s:s + rows, None], g_lp, g_ent, (here, tok[here] - v0),
+                                  entropy[s:s + rows, None], g_lp, g_ent, _in_block(tok, cols, j, weight.shape[0]),
                                   t, ctx.scale, ctx.softcap).to(dtype)
                 if need_h:
                     _accumulate(grad_hidden[s:s + rows], gz, wb)
@@ -134,6 +131,16 @@ class _HeadLogprobs(torch.autograd.Function):
                     _accumulate(grad_weight[v0:v0 + cols], gz.t(), h.to(dtype))
         return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
                 None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None)
+
+
+def _in_block(tokens, cols: int, j: int, vocab: int):
+    """(rows, columns) of the tokens [r] that lie in the j-th block of `cols` vocabulary entries,
+    columns counted from the block's start. With the whole vocabulary in one block (GPUs), every
+    row, found without waiting on the device."""
+    if cols >= vocab:
+        return torch.arange(tokens.shape[0], device=tokens.device), tokens
+    here = (tokens // cols == j).nonzero().squeeze(1)
+    return here, tokens[here] - j * cols
 
 
 def _grad_logits(z, lse, entropy, g_lp, g_ent, chosen, t: float, scale: float, softcap):
