@@ -25,6 +25,7 @@ def test_scaled_and_soft_capped_logits_give_autograds_values_and_gradients(scale
     hidden = (3 * torch.randn(10, 16, generator=g)).requires_grad_()
     weight = torch.randn(50, 16, generator=g).requires_grad_()
     tokens = torch.randint(0, 50, (10,), generator=g)
+    tokens[:3] = torch.tensor([49, 48, 32])   # the last tile's last and first columns, and a tile's first
     w_lp, w_ent = torch.randn(10, generator=g), torch.randn(10, generator=g)
     results = []
     for fn in (lambda: hl.head_logprobs(hidden, weight, tokens, temperature, scale, softcap),
