@@ -281,8 +281,9 @@ def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet, 
     mine = val.take(idx)
     params = SamplingParams(n=1, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_response_length)
-    out = tools.generate(engine, mine, params, any_over_ranks(accelerator)) if tools else engine.generate(mine.ids, params)
-    out = ulysses.from_leader(out)   # a reward model's split pass needs the group's ranks on one batch
+    # an SP group's ranks sample a share each and all score the group's batch (a split reward-model pass)
+    out = tools.generate(engine, mine, params, any_over_ranks(accelerator)) if tools else \
+        ulysses.generate(engine, mine.ids, params)
     responses = out.responses
     batch = to_device(out.batch(tokenizer.pad_token_id) if tools else pack_batch(mine.ids, responses, tokenizer.pad_token_id),
                       accelerator.device)
@@ -522,8 +523,7 @@ def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, ag
         if run.tools:   # multi-turn: one trajectory per prompt and sample, every rank as many passes
             rollout = run.tools.generate(engine, prompts, sampling, any_over_ranks(run.accelerator))
         else:
-            rollout = engine.generate(run.train.take(idx).ids, sampling)
-        rollout = ulysses.from_leader(rollout)   # one set of rollouts per sequence-parallel group
+            rollout = ulysses.generate(engine, run.train.take(idx).ids, sampling)   # each rank of an SP group a share
         engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
     with timed(times, "score"):
         # multi-turn: response_mask is 0 at tool tokens (no policy loss, KL, entropy, value or advantage)

@@ -28,10 +28,28 @@ class RolloutOutput:
     logprobs: list[list[float]] | None     # each response token's log-prob under the distribution it was drawn
                                            # from (top_k/top_p cut, renormalised); None for greedy (hf)
 
+    @staticmethod
+    def concat(parts: list["RolloutOutput"]) -> "RolloutOutput":
+        """The outputs of consecutive shares of one batch (Share), as one output in their order."""
+        logprobs = None if any(p.logprobs is None for p in parts) else [lp for p in parts for lp in p.logprobs]
+        return RolloutOutput([r for p in parts for r in p.responses], logprobs)
+
+
+@dataclass(frozen=True)
+class Share:
+    """A generate() call samples prompts first .. first + len(prompts) of a batch of `total` that
+    other ranks sample the rest of (a sequence-parallel group splits its prompts). The engines key a
+    response's randomness to its place in the batch (its prompt's index x n + its sample), not to
+    the call it came in: the shares sample what one call on the whole batch would, and the engine's
+    random state moves on as after the whole batch, the same on every rank of the split."""
+    first: int
+    total: int
+
 
 class RolloutEngine(Protocol):
     name: str                                                     # "hf" | "vllm"
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput: ...
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 share: Share | None = None) -> RolloutOutput: ...   # share None: the whole batch
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
     def sleep(self) -> None: ...                                  # after generating: free GPU memory
     def wake_up(self, tags: list[str] | None = None) -> None: ...  # "weights" before a sync, "kv_cache" before generating

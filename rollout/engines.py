@@ -16,7 +16,9 @@ def make_engine(cfg: Config, actor, tokenizer, contexts, world: int, rank: int, 
     if (kind or cfg.rollout_engine) == "vllm":
         from rollout.vllm import VLLMEngine
         try:
-            group = rank // cfg.rollout_tensor_model_parallel_size   # a tensor-parallel group is one engine, one seed
+            # one seed per tensor-parallel group (one engine) or sequence-parallel group (one batch split
+            # over its ranks, each sampling its share: rollout.Share), whichever is larger
+            group = rank // max(cfg.rollout_tensor_model_parallel_size, cfg.ulysses_sequence_parallel_size)
             return VLLMEngine(cfg.model_path, dtype=cfg.dtype, seed=cfg.seed + group,
                               max_model_len=cfg.max_prompt_length + cfg.max_response_length,
                               kv_cache_gb=cfg.rollout_kv_cache_gb,

@@ -8,12 +8,13 @@ import inspect
 from contextlib import ExitStack, contextmanager
 from typing import Iterable
 
+import numpy as np
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from forward.head_logprobs import head_matmul, sampling_support
-from rollout import RolloutOutput, SamplingParams, cut_at_eos
+from rollout import RolloutOutput, SamplingParams, Share, cut_at_eos
 
 
 class HFEngine:
@@ -29,7 +30,10 @@ class HFEngine:
         # shards once per rollout, bf16 autocast
         self.contexts = list(contexts)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, share: Share | None = None) -> RolloutOutput:
+        """share: which rows of a split batch these prompts are (rollout.Share). Sampling takes one
+        number from torch's RNG per call, whatever the lengths drawn; each response draws from its
+        own generator, seeded by that number and its place in the batch."""
         # generate() runs greedy (argmax) over what the Sampler leaves: one token per row
         gen_cfg = GenerationConfig(
             max_new_tokens=params.max_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
@@ -37,6 +41,8 @@ class HFEngine:
             pad_token_id=self.pad_id,
         )
         expanded = [p for p in prompts for _ in range(params.n)]
+        first = share.first * params.n if share else 0                              # this call's first row
+        seed = None if params.temperature == 0 else int(torch.randint(2**62, ()))  # the same on every rank of a split
         responses, logprobs = [], []
         # generate() fills unset values from model.generation_config, which would bring the
         # model's EOS back even with ignore_eos: swap it out for the duration of the call.
@@ -49,7 +55,7 @@ class HFEngine:
                     stack.enter_context(make_context())
                 stack.enter_context(_tall_head(self.model))
                 for i in range(0, len(expanded), self.micro_batch_size):
-                    sampler = None if params.temperature == 0 else Sampler(params)
+                    sampler = None if seed is None else Sampler(params, seed, first + i)
                     chunk = self._generate_chunk(expanded[i:i + self.micro_batch_size], gen_cfg,
                                                  LogitsProcessorList([sampler] if sampler else []))
                     responses += chunk
@@ -181,8 +187,11 @@ class Sampler(LogitsProcessor):
     It keeps the log-prob of each drawn token under the distribution it was drawn from
     (renormalised over the kept tokens, as vLLM's processed_logprobs): logprobs() -> [b, steps]."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, seed: int | None = None, first_row: int = 0):
         self.temperature, self.top_p, self.top_k = params.temperature, params.top_p, params.top_k
+        self.seed = int(torch.randint(2**62, ())) if seed is None else seed
+        self.first_row = first_row
+        self._rows: list[np.random.Generator] = []                                # one per row, made at the first step
         self._drawn: list[torch.Tensor] = []                                       # [b] per step
 
     def __call__(self, input_ids, scores):
@@ -191,7 +200,9 @@ class Sampler(LogitsProcessor):
             z = z.masked_fill(~sampling_support(z, self.top_k, self.top_p), float("-inf"))
         probs = torch.softmax(z, dim=-1, dtype=torch.float64)                         # [b, V] kept, renormalised
         cdf = probs.cumsum(-1)                                                        # [b, V]
-        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+        if not self._rows:
+            self._rows = [np.random.default_rng([self.seed, self.first_row + k]) for k in range(cdf.shape[0])]
+        u = torch.tensor([[g.random()] for g in self._rows], dtype=torch.float64).to(cdf.device) * cdf[:, -1:]
         token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)   # [b, 1]
         # a token of zero probability is never picked: searchsorted(right=True) skips flat steps
         self._drawn.append(probs.gather(-1, token).log().squeeze(-1).float())        # [b]

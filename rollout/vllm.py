@@ -15,7 +15,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from rollout import RolloutOutput, SamplingParams, cut_at_eos
+from rollout import RolloutOutput, SamplingParams, Share, cut_at_eos
 
 _FIX_CONFIG = ("the engine could not start; what to change: rollout_kv_cache_gb (CPU) or "
                "rollout_gpu_memory_utilization (GPU) if memory ran out; max_prompt_length + "
@@ -116,17 +116,22 @@ class VLLMEngine:
         self._pending: dict[str, dict[str, torch.Tensor]] = {}   # fused layers waiting for their other parts
 
     # ------------------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, share: Share | None = None) -> RolloutOutput:
         """logprobs: of each sampled token under the distribution it was drawn from, i.e.
         log softmax(logits / T), renormalised over the kept tokens when top_k/top_p cut some
         (greedy: T = 1). The actor recomputes the same: with top_k/top_p by replaying the cut
-        (head_logprobs.sampling_support follows vLLM's rules)."""
+        (head_logprobs.sampling_support follows vLLM's rules). Each request's seed is the batch's
+        first seed plus its row in the batch (share: these prompts' place in a split batch)."""
         self._check_ready("generate", self._sleeping)
         if self._tp_group is not None:
-            return self._generate_in_group(prompts, params)
+            return self._generate_in_group(prompts, params, share)
+        share = share or Share(0, len(prompts))
         expanded = [p for p in prompts for _ in range(params.n)]   # prompt-major, one request each
         greedy = params.temperature == 0
-        first_seed, self._next_seed = self._next_seed, self._next_seed + len(expanded)
+        first_seed = self._next_seed + share.first * params.n
+        self._next_seed += share.total * params.n
+        if not expanded:   # an empty share of a split batch
+            return RolloutOutput(responses=[], logprobs=[])
         requests = [_tokens_prompt(p) for p in expanded]
         sampling = [_vllm_params(
             temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
@@ -144,21 +149,28 @@ class VLLMEngine:
             logprobs.append([step[t].logprob for step, t in zip(sample.logprobs, tokens)])
         return RolloutOutput(responses=responses, logprobs=logprobs)
 
-    def _generate_in_group(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def _generate_in_group(self, prompts: list[list[int]], params: SamplingParams, share: Share | None) -> RolloutOutput:
         """Tensor parallel: the engine spans the group, so its members must submit the same requests;
-        each gets the whole group's rollouts and keeps the rows of its own prompts."""
+        each gets the whole group's rollouts and keeps the rows of its own prompts. Members holding
+        consecutive shares of one split batch (a sequence-parallel group's) submit them as one
+        share of it; otherwise (data-parallel ranks) their prompts are one batch."""
         import torch.distributed as dist
         group, members = self._tp_group
-        shares: list = [None] * len(members)
-        dist.all_gather_object(shares, prompts, group=group)
+        gathered: list = [None] * len(members)
+        dist.all_gather_object(gathered, (prompts, share), group=group)
+        shares = [p for p, _ in gathered]
         mine = members.index(dist.get_rank())
+        starts = [sum(len(p) for p in shares[:k]) for k in range(len(members))]   # within the group's requests
+        split = [s for _, s in gathered]
+        one_batch = all(s is not None and s.total == split[0].total and s.first == split[0].first + start
+                        for s, start in zip(split, starts))
+        whole = Share(split[0].first, split[0].total) if one_batch else Share(0, sum(len(p) for p in shares))
         self._tp_group = None        # generate() below runs the plain path once, on every member alike
         try:
-            out = self.generate([p for share in shares for p in share], params)
+            out = self.generate([p for s in shares for p in s], params, whole)
         finally:
             self._tp_group = (group, members)
-        start = sum(len(s) for s in shares[:mine]) * params.n
-        rows = slice(start, start + len(prompts) * params.n)
+        rows = slice(starts[mine] * params.n, (starts[mine] + len(prompts)) * params.n)
         return RolloutOutput(responses=out.responses[rows], logprobs=out.logprobs[rows])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from rollout import SamplingParams
+from rollout import RolloutOutput, SamplingParams, Share
 from rollout.hf import HFEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -269,3 +269,61 @@ def test_hf_engine_samples_the_whole_vocabulary(tmp_path):
     # 512 draws from the same next-token distribution
     out = HFEngine(model, EOS, PAD).generate([[5, 6, 7]] * 512, SamplingParams(max_tokens=1, ignore_eos=True))
     assert len({t for r in out.responses for t in r}) > 200          # about 290 of 400 expected
+
+
+# a batch of 6 prompts split as a sequence-parallel group of 4 ranks splits it (forward/ulysses.py
+# generate: consecutive shares, sizes within one) and one with an empty share (fewer prompts than ranks)
+SPLITS = [[0, 1, 3, 4, 6], [0, 0, 6]]
+
+
+def sampled_in_shares(generate, prompts, params, splits, state, restore) -> tuple[RolloutOutput, list]:
+    """Each share sampled as a rank of the split would: from the same state; -> the outputs put
+    together and the state each share's call left behind."""
+    parts, after = [], []
+    for lo, hi in zip(splits, splits[1:]):
+        restore(state)
+        parts.append(generate(prompts[lo:hi], params, Share(lo, len(prompts))))
+        after.append(state_now())
+    return RolloutOutput.concat(parts), after
+
+
+def state_now():
+    return torch.get_rng_state()
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+def test_hf_engine_shares_of_a_batch_sample_what_one_call_on_it_does(tiny, splits):
+    """The hf engine keys each response's draws to its place in the batch: the shares of a split
+    batch (each from the same RNG state, as the ranks of a group have it) give one call's responses
+    and log-probs, and leave torch's RNG where that call does; so do micro-batches of one row."""
+    _, model, prompts = tiny
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=10)
+    state = torch.get_rng_state()
+    whole = HFEngine(model, EOS, PAD).generate(prompts, params)
+    after_whole = torch.get_rng_state()
+    assert len({tuple(r) for r in whole.responses}) > len(prompts)   # sampled: samples of a prompt differ
+    for engine in (HFEngine(model, EOS, PAD), HFEngine(model, EOS, PAD, micro_batch_size=1)):
+        split, after = sampled_in_shares(engine.generate, prompts, params, splits, state, torch.set_rng_state)
+        assert split.responses == whole.responses
+        for a, b in zip(split.logprobs, whole.logprobs):
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-5)   # other rows, other padding: fp32 rounding
+        assert all(torch.equal(a, after_whole) for a in after)
+    torch.manual_seed(12345)   # the test can fail: another seed, other responses
+    assert HFEngine(model, EOS, PAD).generate(prompts, params).responses != whole.responses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("splits", SPLITS)
+def test_vllm_shares_of_a_batch_sample_what_one_call_on_it_does(tiny, engine, splits):
+    """vLLM's per-request seeds follow the request's place in the batch: the shares of a split batch,
+    each from the same seed counter, give one call's responses and move the counter as it does."""
+    _, _, prompts = tiny
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=10)
+    state = engine.state_dict()
+    whole = engine.generate(prompts, params)
+    after_whole = engine.state_dict()
+    split, _ = sampled_in_shares(engine.generate, prompts, params, splits, state, engine.load_state_dict)
+    assert engine.state_dict() == after_whole
+    assert split.responses == whole.responses and len({tuple(r) for r in whole.responses}) > len(prompts)
+    for a, b in zip(split.logprobs, whole.logprobs):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5)

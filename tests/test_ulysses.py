@@ -159,6 +159,9 @@ def split_against_unsplit(unsplit: dict, split: dict) -> dict:
         two, other = split[2 * d], split[2 * d + 1]
         # 2 layers x (old, ref, values, the critic's and the actor's update) at least: split through ALST
         assert one["alst_calls"] == 0 and two["alst_calls"] >= 2 * 5 and other["alst_calls"] == two["alst_calls"]
+        # each rank of the group sampled half of its prompts, the rollouts of one process without SP
+        assert one["generated"] == [2 * two["generated"][0]] and two["generated"] == other["generated"], \
+            (one["generated"], two["generated"], other["generated"])
         for key, value in two["batch"].items():   # the group trained on one batch, on both ranks alike
             assert torch.equal(value, other["batch"][key]), key
         for key in ("input_ids", "attention_mask", "responses", "response_mask"):   # the same rollouts as sp=1

@@ -3,7 +3,7 @@
 train_ppo.py's own setup() and train_step() run one PPO step (generate, score, the actor's, ref's
 and critic's forward passes, advantages, the critic's and the actor's update) with the options on
 the command line. The batch the update sees (old and ref log-probs, values, advantages, returns),
-the step's reduced metrics, each model's gradient at its first optimizer step (as DeepSpeed
+the step's reduced metrics, how many prompts the rank's engine sampled, each model's gradient at its first optimizer step (as DeepSpeed
 reduced it over the ranks), the actor's and critic's full weights after the step and how many
 attention layers ran through DeepSpeed's UlyssesSPAttentionHF go to
 <out_dir>/rank<N>.pt, for the test to hold a run with ulysses_sequence_parallel_size=2 on 2
@@ -69,11 +69,18 @@ def main(out_dir: Path, argv: list[str]) -> None:
         return real_optimizer_step(model, optim, *args, **kwargs)
 
     env["optimizer_step"] = optimizer_step
+    real_generate, generated = run.engine.generate, []
+
+    def generate(prompts, *args, **kwargs):   # how many prompts this rank's engine sampled
+        generated.append(len(prompts))
+        return real_generate(prompts, *args, **kwargs)
+
+    run.engine.generate = generate
     before = weights(run)
     metrics = env["train_step"](run, 1)
     rank = run.accelerator.process_index
     torch.save({"batch": seen, "metrics": metrics, "weights": weights(run), "before": before,
-                "alst_calls": len(alst_calls), "grads": grads},
+                "alst_calls": len(alst_calls), "grads": grads, "generated": generated},
                out_dir / f"rank{rank}.pt")
     print(f"rank {rank}: step done, actor/pg_loss={metrics['actor/pg_loss']:.6g}", flush=True)
     run.tracker.finish("FINISHED", None, None)
