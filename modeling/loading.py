@@ -49,7 +49,7 @@ def load_models(cfg: Config):
     family = actor.config.model_type
     if family in REFUSED:
         raise UserError(f"model_path: {family} models are not supported: {REFUSED[family]}")
-    sees_ahead = acausal(actor)
+    sees_ahead = acausal(actor, cfg.model_path)
     if sees_ahead:
         raise UserError(f"model_path: {type(actor).__name__} ({family}) is not a causal language model: {sees_ahead}; "
                         "PPO needs each token's probability given only the tokens before it")
@@ -135,13 +135,14 @@ def load_models(cfg: Config):
     return tokenizer, actor, critic, ref, reward_model
 
 
-def acausal(model, atol: float = 1e-5):
+def acausal(model, path: str = "", atol: float = 1e-5):
     """Why `model` is not causal, or None: its outputs at earlier positions must not move when a
     later token changes. An encoder built as a decoder without is_decoder (bert-generation) or a
     permutation LM (XLNet) computes each position from the whole sequence, so its "log-prob" of a
     response token reads that token, and its sampler (generation's, one token at a time) draws from
-    another distribution than the one trained. Parameters partitioned at load (ZeRO-3 init) cannot
-    run the probe: the family's conformance test stands."""
+    another distribution than the one trained. Logits that come out NaN (weights that hold NaN or
+    inf) raise UserError: nothing could be trained on them. Parameters partitioned at load (ZeRO-3
+    init) cannot run the probe: the family's conformance test stands."""
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         return None
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -151,7 +152,11 @@ def acausal(model, atol: float = 1e-5):
     changed[0, -1] = (changed[0, -1] + 1) % vocab
     with torch.no_grad():
         before, after = (model(input_ids=x, use_cache=False).logits[0, :-1].float() for x in (ids, changed))   # [7, V]
-    moved = float((after - before).abs().max()) / max(1.0, float(before.abs().max()))
+    if before.isnan().any() or after.isnan().any():
+        raise UserError(f"model_path {path}: {type(model).__name__}'s logits on an 8-token probe are NaN: its "
+                        "weights hold NaN or inf values")
+    moved = float(torch.where(after == before, 0.0, after - before).abs().max()) / \
+        max(1.0, float(before.nan_to_num(posinf=0.0, neginf=0.0).abs().max()))   # -inf logits that stay put do not move
     return f"changing its last token moves its outputs at earlier positions (by {moved:.2g})" if moved > atol else None
 
 

@@ -86,6 +86,24 @@ def test_model_directory_that_cannot_be_loaded_names_the_key(tmp_path):
     assert "model_path" in text and str(broken) in text
 
 
+def test_actor_whose_weights_hold_nan_is_refused_at_load(tmp_path):
+    """A checkpoint with one NaN weight: load_models stops with one line naming the key, the path and
+    the NaN, before anything is trained on NaN log-probs (the causality probe used to pass it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL)
+    with torch.no_grad():
+        model.model.norm.weight[3] = float("nan")   # the final norm: every position's logits
+    model.save_pretrained(tmp_path / "poisoned")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (DEMO_MODEL / name).exists():
+            (tmp_path / "poisoned" / name).write_text((DEMO_MODEL / name).read_text())
+    cfg = config.Config(model_path=str(tmp_path / "poisoned"), adv_estimator="grpo", use_kl_in_reward=False)
+    text = message(lambda: loading.load_models(cfg))
+    assert "model_path" in text and str(tmp_path / "poisoned") in text and "NaN" in text, text
+    loading.load_models(config.Config(model_path=str(DEMO_MODEL), adv_estimator="grpo", use_kl_in_reward=False))
+
+
 def test_reward_model_directory_without_weights_names_the_key(tmp_path):
     empty = tmp_path / "rm"
     empty.mkdir()
