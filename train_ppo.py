@@ -59,7 +59,7 @@ from prompts.streams import PromptStream, SFTStream, sft_batch_size
 from rewards.scoring import Scorer, shape_scores
 from rollout import SamplingParams
 from rollout.dynamic_sampling import Sampled, fill_groups, group_metric
-from rollout.engines import fresh_mismatch_warning, make_engine
+from rollout.engines import fresh_mismatch_warning, generate_split, make_engine
 from rollout.sync import actor_weights
 from rollout.tools.rollouts import TRAJECTORY_COLUMNS, make_tool_rollouts
 
@@ -283,7 +283,7 @@ def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet, 
                             max_tokens=cfg.max_response_length)
     # an SP group's ranks sample a share each and all score the group's batch (a split reward-model pass)
     out = tools.generate(engine, mine, params, any_over_ranks(accelerator)) if tools else \
-        ulysses.generate(engine, mine.ids, params)
+        generate_split(engine, mine.ids, params)
     responses = out.responses
     batch = to_device(out.batch(tokenizer.pad_token_id) if tools else pack_batch(mine.ids, responses, tokenizer.pad_token_id),
                       accelerator.device)
@@ -523,7 +523,7 @@ def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, ag
         if run.tools:   # multi-turn: one trajectory per prompt and sample, every rank as many passes
             rollout = run.tools.generate(engine, prompts, sampling, any_over_ranks(run.accelerator))
         else:
-            rollout = ulysses.generate(engine, run.train.take(idx).ids, sampling)   # each rank of an SP group a share
+            rollout = generate_split(engine, run.train.take(idx).ids, sampling)   # each rank of an SP group a share
         engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
     with timed(times, "score"):
         # multi-turn: response_mask is 0 at tool tokens (no policy loss, KL, entropy, value or advantage)

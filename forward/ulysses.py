@@ -16,7 +16,8 @@ exactly one rank, so they equal the unsplit pass's up to float rounding.
 
 In training (train_ppo.py) the world is data-parallel x sequence-parallel: an SP group is one
 data-parallel rank (data_parallel()), its ranks take the same prompts, sample a share of them each
-and train on the group's rollouts put together (generate()), and run every pass that sees whole sequences split: the actor's and
+and train on the group's rollouts put together (share(), gather(): rollout/engines.py
+generate_split), and run every pass that sees whole sequences split: the actor's and
 the reference's log-probs and entropy, the critic's values, the reward model's scores, the update
 (forward/readouts.py). The per-token numbers are whole on every rank after combine(), so losses,
 their denominators and the metrics are sp=1's. Gradients: every rank back-propagates the same loss,
@@ -61,21 +62,20 @@ def data_parallel(accelerator) -> tuple[int, int]:
     return accelerator.num_processes // _size, accelerator.process_index // _size
 
 
-def generate(engine, prompts: list[list[int]], params):
-    """engine.generate on the group's prompts (the same list on every rank of the group): each rank
-    samples a share of them (consecutive, sizes within one) and every rank gets the whole group's
-    rollouts, in prompt order, the same as one call on all of them samples (rollout.Share). A
-    collective of the group; sp 1: engine.generate(prompts, params). A rank left without a prompt
-    (fewer prompts than ranks) still calls the engine, on none: the hf engine's ZeRO-3 gather is a
-    collective of all ranks."""
+def share(n: int) -> tuple[int, int]:
+    """[lo, hi): this rank's share of n items the group holds alike (consecutive shares in rank
+    order, sizes within one; empty when n < the group's size). sp 1: all of them."""
+    return n * _rank // _size, n * (_rank + 1) // _size
+
+
+def gather(obj) -> list:
+    """Every group member's obj, in rank order, on every rank of the group (a collective of the
+    group; sp 1: [obj])."""
     if _size == 1:
-        return engine.generate(prompts, params)
-    from rollout import RolloutOutput, Share
-    lo, hi = len(prompts) * _rank // _size, len(prompts) * (_rank + 1) // _size
+        return [obj]
     parts = [None] * _size
-    torch.distributed.all_gather_object(parts, engine.generate(prompts[lo:hi], params, Share(lo, len(prompts))),
-                                        group=_group)   # NCCL: via the current GPU
-    return RolloutOutput.concat(parts)
+    torch.distributed.all_gather_object(parts, obj, group=_group)   # pickled; NCCL: via the current GPU
+    return parts
 
 
 def from_leader(obj):

@@ -6,6 +6,8 @@ import sys
 
 from config import Config
 from errors import UserError
+from forward import ulysses
+from rollout import RolloutOutput, SamplingParams, Share
 
 
 def make_engine(cfg: Config, actor, tokenizer, contexts, world: int, rank: int, kind: str = ""):
@@ -52,3 +54,16 @@ def fresh_mismatch_warning(drift: float, engine: str, dtype: str, model_type: st
             f"copied from the actor: the {engine} engine computes this model ({model_type}) differently from "
             f"transformers, so every rollout is off-policy by that much (rollout_is corrects for it; "
             f"rollout_engine=hf samples from the actor itself)")
+
+
+def generate_split(engine, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    """engine.generate on a sequence-parallel group's prompts (the same list on every rank of the
+    group): each rank samples its share of them and every rank gets the whole group's rollouts, in
+    prompt order, the same as one call on all of them samples (rollout.Share). A collective of the
+    group; sp 1: engine.generate(prompts, params). A rank left without a prompt (fewer prompts than
+    ranks) still calls the engine, on none: the hf engine's ZeRO-3 gather is a collective of all
+    ranks."""
+    if ulysses.size() == 1:
+        return engine.generate(prompts, params)
+    lo, hi = ulysses.share(len(prompts))
+    return RolloutOutput.concat(ulysses.gather(engine.generate(prompts[lo:hi], params, Share(lo, len(prompts)))))
