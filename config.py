@@ -386,10 +386,6 @@ def validate_config(cfg: Config) -> None:
     need(sp >= 1, f"ulysses_sequence_parallel_size must be >= 1, got {sp}")
     need(sp == 1 or cfg.remove_padding, f"ulysses_sequence_parallel_size={sp} splits packed rows: it needs "
                                         "remove_padding=true")
-    need(sp == 1 or not (cfg.tools or cfg.environment),
-         f"ulysses_sequence_parallel_size={sp} with {'tools' if cfg.tools else 'environment'}: multi-turn rollouts are "
-         "not shared over a sequence-parallel group yet (each rank runs its own tool calls); set "
-         "ulysses_sequence_parallel_size=1")
     need(not cfg.activation_offload or cfg.gradient_checkpointing or critic_checkpointing(cfg),
          "activation_offload moves what checkpointed layers keep: it needs gradient_checkpointing (or "
          "critic_gradient_checkpointing)")

@@ -282,7 +282,7 @@ def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet, 
     params = SamplingParams(n=1, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_response_length)
     # an SP group's ranks sample a share each and all score the group's batch (a split reward-model pass)
-    out = tools.generate(engine, mine, params, any_over_ranks(accelerator)) if tools else \
+    out = generate_split(engine, mine, params, tools, any_over_ranks(accelerator)) if tools else \
         generate_split(engine, mine.ids, params)
     responses = out.responses
     batch = to_device(out.batch(tokenizer.pad_token_id) if tools else pack_batch(mine.ids, responses, tokenizer.pad_token_id),
@@ -520,10 +520,10 @@ def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, ag
             engine.wake_up()
         sampling = SamplingParams(n=cfg.rollout_n, temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                   max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
-        if run.tools:   # multi-turn: one trajectory per prompt and sample, every rank as many passes
-            rollout = run.tools.generate(engine, prompts, sampling, any_over_ranks(run.accelerator))
-        else:
-            rollout = generate_split(engine, run.train.take(idx).ids, sampling)   # each rank of an SP group a share
+        # each rank of a sequence-parallel group samples a share; multi-turn: one trajectory per prompt
+        # and sample, every rank as many passes
+        rollout = generate_split(engine, prompts, sampling, run.tools, any_over_ranks(run.accelerator)) if run.tools \
+            else generate_split(engine, run.train.take(idx).ids, sampling)
         engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
     with timed(times, "score"):
         # multi-turn: response_mask is 0 at tool tokens (no policy loss, KL, entropy, value or advantage)

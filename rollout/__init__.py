@@ -30,20 +30,28 @@ class RolloutOutput:
 
     @staticmethod
     def concat(parts: list["RolloutOutput"]) -> "RolloutOutput":
-        """The outputs of consecutive shares of one batch (Share), as one output in their order."""
+        """The outputs of consecutive parts of one batch (e.g. Share), as one output in their order."""
         logprobs = None if any(p.logprobs is None for p in parts) else [lp for p in parts for lp in p.logprobs]
         return RolloutOutput([r for p in parts for r in p.responses], logprobs)
 
 
 @dataclass(frozen=True)
 class Share:
-    """A generate() call samples prompts first .. first + len(prompts) of a batch of `total` that
-    other ranks sample the rest of (a sequence-parallel group splits its prompts). The engines key a
-    response's randomness to its place in the batch (its prompt's index x n + its sample), not to
-    the call it came in: the shares sample what one call on the whole batch would, and the engine's
-    random state moves on as after the whole batch, the same on every rank of the split."""
-    first: int
+    """Which prompts of a batch of `total` a generate() call samples when other calls sample the
+    rest (the other ranks of a sequence-parallel group; multi-turn rollouts' other passes): rows[i]
+    is prompts[i]'s place in the batch. The engines key a response's random draws to that place
+    (x n + its sample), not to the call it came in: shares sample what one call on the whole batch
+    would, and the engine's random state moves on as after the whole batch, alike on every rank."""
+    rows: tuple[int, ...]
     total: int
+
+    @staticmethod
+    def of(first: int, count: int, total: int) -> "Share":
+        return Share(tuple(range(first, first + count)), total)
+
+    def keys(self, n: int) -> list[int]:
+        """Each response's place in the batch: prompt-major, n samples a prompt."""
+        return [row * n + s for row in self.rows for s in range(n)]
 
 
 class RolloutEngine(Protocol):

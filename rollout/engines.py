@@ -7,7 +7,7 @@ import sys
 from config import Config
 from errors import UserError
 from forward import ulysses
-from rollout import RolloutOutput, SamplingParams, Share
+from rollout import SamplingParams, Share
 
 
 def make_engine(cfg: Config, actor, tokenizer, contexts, world: int, rank: int, kind: str = ""):
@@ -56,14 +56,20 @@ def fresh_mismatch_warning(drift: float, engine: str, dtype: str, model_type: st
             f"rollout_engine=hf samples from the actor itself)")
 
 
-def generate_split(engine, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
-    """engine.generate on a sequence-parallel group's prompts (the same list on every rank of the
-    group): each rank samples its share of them and every rank gets the whole group's rollouts, in
-    prompt order, the same as one call on all of them samples (rollout.Share). A collective of the
-    group; sp 1: engine.generate(prompts, params). A rank left without a prompt (fewer prompts than
-    ranks) still calls the engine, on none: the hf engine's ZeRO-3 gather is a collective of all
-    ranks."""
-    if ulysses.size() == 1:
-        return engine.generate(prompts, params)
-    lo, hi = ulysses.share(len(prompts))
-    return RolloutOutput.concat(ulysses.gather(engine.generate(prompts[lo:hi], params, Share(lo, len(prompts)))))
+def generate_split(engine, prompts, params: SamplingParams, tools=None, any_active=None):
+    """Rollouts of a sequence-parallel group's prompts (the same on every rank of the group): each
+    rank samples its share of them and every rank gets the whole group's rollouts, in prompt order,
+    the same as one call on all of them samples (rollout.Share). prompts: token ids for
+    engine.generate, or with tools (multi-turn) a PromptSet of one row per trajectory for
+    tools.generate (any_active: its passes' agreement over all ranks); each trajectory's tool calls
+    then run on one rank only. A collective of the group; sp 1: the plain call. A rank left without
+    a prompt (fewer prompts than ranks) still calls the engine, on none: the hf engine's ZeRO-3
+    gather is a collective of all ranks."""
+    rows = len(prompts.ids) if tools else len(prompts)
+    lo, hi = ulysses.share(rows)
+    share = Share.of(lo, hi - lo, rows) if ulysses.size() > 1 else None
+    if tools:
+        mine = tools.generate(engine, prompts.take(range(lo, hi)) if share else prompts, params, any_active, share)
+    else:
+        mine = engine.generate(prompts[lo:hi], params, share)
+    return mine if share is None else type(mine).concat(ulysses.gather(mine))

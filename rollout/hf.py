@@ -41,7 +41,7 @@ class HFEngine:
             pad_token_id=self.pad_id,
         )
         expanded = [p for p in prompts for _ in range(params.n)]
-        first = share.first * params.n if share else 0                              # this call's first row
+        keys = share.keys(params.n) if share else list(range(len(expanded)))        # each row's place in the batch
         seed = None if params.temperature == 0 else int(torch.randint(2**62, ()))  # the same on every rank of a split
         responses, logprobs = [], []
         # generate() fills unset values from model.generation_config, which would bring the
@@ -55,7 +55,7 @@ class HFEngine:
                     stack.enter_context(make_context())
                 stack.enter_context(_tall_head(self.model))
                 for i in range(0, len(expanded), self.micro_batch_size):
-                    sampler = None if seed is None else Sampler(params, seed, first + i)
+                    sampler = None if seed is None else Sampler(params, seed, keys[i:i + self.micro_batch_size])
                     chunk = self._generate_chunk(expanded[i:i + self.micro_batch_size], gen_cfg,
                                                  LogitsProcessorList([sampler] if sampler else []))
                     responses += chunk
@@ -181,16 +181,19 @@ class Sampler(LogitsProcessor):
     and leaves only it: generate()'s argmax then picks it. One uniform number per row through
     the inverse CDF (in float64), where torch.multinomial, which generate() samples with, draws an
     exponential number for every vocabulary entry: with a 32k vocabulary that was 40% of the
-    generation time on a CPU. The same distribution either way; the RNG is torch's, so a
-    checkpoint's saved RNG state replays it. (Transformers' own sampling also adds a top_k of 50
+    generation time on a CPU. The same distribution either way. Row k's numbers come from its own
+    generator, seeded with (seed, keys[k]): a response's draws depend on the call's seed and its
+    place in the batch, not on which rows share its call (micro-batches, a split over ranks). The
+    seed comes from torch's RNG (by default), so a checkpoint's saved RNG state replays it.
+    (Transformers' own sampling also adds a top_k of 50
     when top_k is unset; here unset means the whole vocabulary, as in vLLM.)
     It keeps the log-prob of each drawn token under the distribution it was drawn from
     (renormalised over the kept tokens, as vLLM's processed_logprobs): logprobs() -> [b, steps]."""
 
-    def __init__(self, params: SamplingParams, seed: int | None = None, first_row: int = 0):
+    def __init__(self, params: SamplingParams, seed: int | None = None, keys: list[int] | None = None):
         self.temperature, self.top_p, self.top_k = params.temperature, params.top_p, params.top_k
         self.seed = int(torch.randint(2**62, ())) if seed is None else seed
-        self.first_row = first_row
+        self.keys = keys                                                           # None: rows 0, 1, ...
         self._rows: list[np.random.Generator] = []                                # one per row, made at the first step
         self._drawn: list[torch.Tensor] = []                                       # [b] per step
 
@@ -201,7 +204,8 @@ class Sampler(LogitsProcessor):
         probs = torch.softmax(z, dim=-1, dtype=torch.float64)                         # [b, V] kept, renormalised
         cdf = probs.cumsum(-1)                                                        # [b, V]
         if not self._rows:
-            self._rows = [np.random.default_rng([self.seed, self.first_row + k]) for k in range(cdf.shape[0])]
+            keys = self.keys if self.keys is not None else range(cdf.shape[0])
+            self._rows = [np.random.default_rng([self.seed, key]) for key in keys]
         u = torch.tensor([[g.random()] for g in self._rows], dtype=torch.float64).to(cdf.device) * cdf[:, -1:]
         token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)   # [b, 1]
         # a token of zero probability is never picked: searchsorted(right=True) skips flat steps

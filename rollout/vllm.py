@@ -121,14 +121,14 @@ class VLLMEngine:
         log softmax(logits / T), renormalised over the kept tokens when top_k/top_p cut some
         (greedy: T = 1). The actor recomputes the same: with top_k/top_p by replaying the cut
         (head_logprobs.sampling_support follows vLLM's rules). Each request's seed is the batch's
-        first seed plus its row in the batch (share: these prompts' place in a split batch)."""
+        first seed plus its place in the batch (share: these prompts' places in a split batch)."""
         self._check_ready("generate", self._sleeping)
         if self._tp_group is not None:
             return self._generate_in_group(prompts, params, share)
-        share = share or Share(0, len(prompts))
+        share = share or Share.of(0, len(prompts), len(prompts))
         expanded = [p for p in prompts for _ in range(params.n)]   # prompt-major, one request each
         greedy = params.temperature == 0
-        first_seed = self._next_seed + share.first * params.n
+        first_seed, keys = self._next_seed, share.keys(params.n)
         self._next_seed += share.total * params.n
         if not expanded:   # an empty share of a split batch
             return RolloutOutput(responses=[], logprobs=[])
@@ -137,7 +137,7 @@ class VLLMEngine:
             temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy or params.top_k <= 0 else params.top_k, max_tokens=params.max_tokens,
             ignore_eos=params.ignore_eos, stop_token_ids=None if params.ignore_eos else sorted(self.eos_ids),
-            seed=None if greedy else (first_seed + i) % 2**32) for i in range(len(expanded))]
+            seed=None if greedy else (first_seed + key) % 2**32) for key in keys]
         outputs = self._llm.generate(requests, sampling, use_tqdm=False)   # in request order
         responses, logprobs = [], []
         for out in outputs:
@@ -152,19 +152,19 @@ class VLLMEngine:
     def _generate_in_group(self, prompts: list[list[int]], params: SamplingParams, share: Share | None) -> RolloutOutput:
         """Tensor parallel: the engine spans the group, so its members must submit the same requests;
         each gets the whole group's rollouts and keeps the rows of its own prompts. Members holding
-        consecutive shares of one split batch (a sequence-parallel group's) submit them as one
-        share of it; otherwise (data-parallel ranks) their prompts are one batch."""
+        shares of one split batch (a sequence-parallel group's) submit them as one share of it;
+        otherwise (data-parallel ranks) their prompts are one batch."""
         import torch.distributed as dist
         group, members = self._tp_group
         gathered: list = [None] * len(members)
         dist.all_gather_object(gathered, (prompts, share), group=group)
         shares = [p for p, _ in gathered]
         mine = members.index(dist.get_rank())
-        starts = [sum(len(p) for p in shares[:k]) for k in range(len(members))]   # within the group's requests
+        starts = [sum(len(p) for p in shares[:k]) for k in range(len(members) + 1)]   # within the group's requests
         split = [s for _, s in gathered]
-        one_batch = all(s is not None and s.total == split[0].total and s.first == split[0].first + start
-                        for s, start in zip(split, starts))
-        whole = Share(split[0].first, split[0].total) if one_batch else Share(0, sum(len(p) for p in shares))
+        rows = [r for s in split if s is not None for r in s.rows]
+        one_batch = all(s is not None and s.total == split[0].total for s in split) and len(set(rows)) == len(rows)
+        whole = Share(tuple(rows), split[0].total) if one_batch else Share.of(0, starts[-1], starts[-1])
         self._tp_group = None        # generate() below runs the plain path once, on every member alike
         try:
             out = self.generate([p for s in shares for p in s], params, whole)

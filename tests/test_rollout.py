@@ -282,7 +282,7 @@ def sampled_in_shares(generate, prompts, params, splits, state, restore) -> tupl
     parts, after = [], []
     for lo, hi in zip(splits, splits[1:]):
         restore(state)
-        parts.append(generate(prompts[lo:hi], params, Share(lo, len(prompts))))
+        parts.append(generate(prompts[lo:hi], params, Share.of(lo, hi - lo, len(prompts))))
         after.append(state_now())
     return RolloutOutput.concat(parts), after
 

@@ -7,6 +7,7 @@ a few tool-use conversations (slow), and through ScriptedEngine, an implementati
 protocol defined here that replays fixed replies, for the paths a memorised model cannot be made
 to walk cheaply (budgets cut mid-observation, malformed calls, filler passes).
 """
+import functools
 import itertools
 import math
 import sys
@@ -397,7 +398,7 @@ class ScriptedEngine:
         self.tokenizer, self.replies, self.calls = tokenizer, replies, []
         self.turn: dict[int, int] = {}
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, share=None):   # a script: no random draws to key
         self.calls.append(([list(p) for p in prompts], params))
         responses = []
         for p in prompts:
@@ -575,7 +576,7 @@ class Timeline:
 
 
 class TimedScriptedEngine(ScriptedEngine):
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, share=None):
         return self.timeline.generate(super().generate, prompts, params, self.tokenizer.decode)
 
 
@@ -612,9 +613,10 @@ def memorised(tokenizer, calc_tools):
     return memorise(tokenizer, calc_tools)
 
 
-def memorise(tokenizer, calc_tools, conversations=MEMORISED):
+def memorise(tokenizer, calc_tools, conversations=MEMORISED, kv_heads=1):
     """A tiny Qwen2 (head_dim 32, which vLLM's CPU attention supports) trained until it reproduces MEMORISED's assistant turns (every model token at
-    probability > 0.9), and each conversation's token ids as the template renders them."""
+    probability > 0.9), and each conversation's token ids as the template renders them. kv_heads 2:
+    a model sequence parallelism of 2 can split (heads and key-value heads divisible by 2)."""
     chat = ChatFormat(tokenizer, calc_tools.schemas)
     rows = []
     for question, turns in conversations:
@@ -631,7 +633,7 @@ def memorise(tokenizer, calc_tools, conversations=MEMORISED):
                 messages += [{"role": "tool", "content": t} for t in texts]
         rows.append((len(chat.prompt_ids(messages[:1])), ids, model))
     config = Qwen2Config(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         num_attention_heads=2, num_key_value_heads=kv_heads, max_position_embeddings=2048,
                          tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
@@ -708,8 +710,9 @@ def test_hf_engine_overlaps_tool_calls(memorised, overlap):
     from rollout.hf import HFEngine
 
     class TimedHFEngine(HFEngine):
-        def generate(self, prompts, params):
-            return timeline.generate(super().generate, prompts, params, chat.tokenizer.decode)
+        def generate(self, prompts, params, share=None):
+            return timeline.generate(functools.partial(super().generate, share=share), prompts, params,
+                                     chat.tokenizer.decode)
 
     chat, model, rows = memorised
     timeline = Timeline(wait_s=60 if overlap else 0.05)

@@ -38,7 +38,7 @@ def model_dir(tmp_path_factory):
     """The memorised tiny Qwen2 on disk, its tokenizer's pad token = its EOS (<|im_end|>), so every
     turn's end inside a trajectory looks like padding to anything that infers padding from ids."""
     tokenizer = qwen_style_tokenizer()
-    chat, model, _ = memorise(tokenizer, ToolSet.from_specs([CALC]))
+    chat, model, _ = memorise(tokenizer, ToolSet.from_specs([CALC]), kv_heads=2)   # sp=2 can split it
     path = tmp_path_factory.mktemp("tool_model")
     tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.eos_token_id
@@ -315,19 +315,25 @@ def test_train_with_the_calculator(model_dir, tmp_path, engine):
 
 
 @pytest.mark.slow
-def test_zero3_two_processes_with_skewed_turns(model_dir, tmp_path):
+@pytest.mark.parametrize("sp", [1, 2])
+def test_zero3_two_processes_with_skewed_turns(model_dir, tmp_path, sp):
     """The step gives one rank the calculator prompt (2 turns) and the other "Say hi." (1 turn), and so
     does the greedy validation after it: the rank that finishes first runs filler passes, so ZeRO-3's
-    gathered generation does not hang."""
+    gathered generation does not hang. sp=2: the two ranks are one sequence-parallel group of those two
+    prompts; each runs one trajectory and its tool calls, and both train on both trajectories."""
     model_path, data, _, _ = model_dir
-    env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
+    calls = tmp_path / "calls.log"
+    env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1", TOOL_CALL_LOG=str(calls))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--main_process_port", str(free_port()),
            str(SCRIPT), *run_args(model_path, data, tmp_path / "out", "--rollout_n=1", "--total_training_steps=1",
-                                  "--test_freq=1", "--val_before_train=false")]
+                                  "--test_freq=1", "--val_before_train=false", "--tools=tests.tool_rewards:calculator",
+                                  f"--ulysses_sequence_parallel_size={sp}")]
     proc = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     check_tool_metrics(tmp_path / "out", steps=(1,))
+    # the calculator prompt's one call in the step and one in the validation, each run by one rank
+    assert len(calls.read_text().splitlines()) == 2, calls.read_text()
 
 
 def test_tools_and_environment_are_exclusive():

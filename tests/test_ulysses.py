@@ -37,8 +37,6 @@ def test_config_refuses_what_cannot_split():
         validate_config(Config(ulysses_sequence_parallel_size=2, remove_padding=False))
     with pytest.raises(UserError, match=r"ulysses_sequence_parallel_size=2 does not divide the 3 processes"):
         check_world_size(Config(ulysses_sequence_parallel_size=2, train_batch_size=6, ppo_mini_batch_size=6), 3)
-    with pytest.raises(UserError, match=r"ulysses_sequence_parallel_size=2 with tools: multi-turn rollouts"):
-        validate_config(Config(ulysses_sequence_parallel_size=2, tools="rollout.tools.builtin:calculator"))
     # batch sizes split over the data-parallel ranks: world / sp
     with pytest.raises(UserError, match=r"train_batch_size=3 is not divisible by the 2 data-parallel ranks \(4 "
                                         r"processes / ulysses_sequence_parallel_size=2\)"):

@@ -1,4 +1,9 @@
-"""The reward of tests/test_tools_train.py's runs: it reads the trajectory's messages."""
+"""The reward of tests/test_tools_train.py's runs: it reads the trajectory's messages; and a calculator
+that logs its calls."""
+import functools
+import os
+
+from rollout.tools.builtin import calculator as _builtin_calculator
 
 
 def answered(prompts, responses, messages, tool_calls):
@@ -9,3 +14,12 @@ def answered(prompts, responses, messages, tool_calls):
 
 
 answered.is_verifier = True
+
+
+@functools.wraps(_builtin_calculator)
+def calculator(expression: str) -> str:
+    """The built-in calculator (the same schema, so the memorised model calls it), each call written as a
+    line "<pid> <expression>" to the file TOOL_CALL_LOG names: where the calls ran, and how many."""
+    with open(os.environ["TOOL_CALL_LOG"], "a") as log:
+        log.write(f"{os.getpid()} {expression}\n")
+    return _builtin_calculator(expression)

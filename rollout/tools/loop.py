@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from rollout import RolloutEngine, SamplingParams
+from rollout import RolloutEngine, SamplingParams, Share
 from rollout.tools.chat import ChatFormat
 from rollout.tools.parsing import parse_tool_calls
 from rollout.tools.toolset import ToolSet
@@ -74,7 +74,8 @@ class Trajectory:
 def run_multiturn(engine: RolloutEngine, chat: ChatFormat, prompts: list[list[dict]], envs: list,
                   params: SamplingParams, max_response_length: int, max_turns: int,
                   rows: list[dict] | None = None, tool_workers: int = 8, overlap: bool = True,
-                  any_active: Callable[[bool], bool] | None = None, clock: dict | None = None) -> list[Trajectory]:
+                  any_active: Callable[[bool], bool] | None = None, clock: dict | None = None,
+                  share: Share | None = None) -> list[Trajectory]:
     """One trajectory per prompt (expand prompts for rollout_n; params.n is taken as 1).
     prompts: chat messages; envs: one environment per prompt, reset here with rows[i] (the data row).
     overlap: the trajectories go in two fixed halves (even and odd) that take turns at the engine; a
@@ -85,7 +86,9 @@ def run_multiturn(engine: RolloutEngine, chat: ChatFormat, prompts: list[list[di
     any_active: under ZeRO-3 every rank must run the same number of generation passes; given, it
     reduces "this rank still has trajectories" across ranks (any) before every pass, and a rank with
     none for this pass runs a one-token filler pass. clock: gets "tools_s", the wall time spent
-    blocked on environments (tool calls), what the overlap did not hide."""
+    blocked on environments (tool calls), what the overlap did not hide. share: these prompts'
+    places in a batch other ranks run the rest of (a sequence-parallel group's); each pass keys
+    its responses' draws to their trajectories' places (rollout.Share), so the ranks' draws differ."""
     assert len(prompts) == len(envs), "one environment per prompt"
     trajectories = []
     for i, (messages, env) in enumerate(zip(prompts, envs)):
@@ -93,6 +96,8 @@ def run_multiturn(engine: RolloutEngine, chat: ChatFormat, prompts: list[list[di
         messages = list(opening or messages)
         trajectories.append(Trajectory(prompt_ids=chat.prompt_ids(messages), messages=messages))
     params = replace(params, n=1, ignore_eos=False)
+    share = share or Share.of(0, len(trajectories), len(trajectories))
+    filler = [trajectories[0].prompt_ids[:1] if trajectories else [0]]   # a rank without trajectories has none
     n_halves = 2 if overlap else 1
     half = [i % n_halves for i in range(len(trajectories))]   # interleaved: a prompt's rollout_n samples in both
     ready = list(range(len(trajectories))) if max_turns > 0 and max_response_length > 0 else []   # to generate next
@@ -113,12 +118,13 @@ def run_multiturn(engine: RolloutEngine, chat: ChatFormat, prompts: list[list[di
             batch = sorted(i for i in ready if half[i] == h)
             if not batch:
                 if any_active is not None:   # filler pass: keeps this rank's generate calls in step with the others
-                    engine.generate([trajectories[0].prompt_ids[:1]], replace(params, max_tokens=1))
+                    engine.generate(filler, replace(params, max_tokens=1), Share((0,), share.total))
                 continue
             ready = [i for i in ready if half[i] != h]
             room = {i: max_response_length - len(trajectories[i].response_ids) for i in batch}
             out = engine.generate([trajectories[i].prompt_ids + trajectories[i].response_ids for i in batch],
-                                  replace(params, max_tokens=max(room.values())))
+                                  replace(params, max_tokens=max(room.values())),
+                                  Share(tuple(share.rows[i] for i in batch), share.total))
             for k, i in enumerate(batch):
                 traj, ids = trajectories[i], out.responses[k][:room[i]]
                 if out.logprobs is None:

@@ -17,7 +17,7 @@ from config import Config
 from errors import UserError
 from forward.batch import pack_batch
 from prompts.sets import PromptSet
-from rollout import RolloutEngine, SamplingParams
+from rollout import RolloutEngine, SamplingParams, Share
 from rollout.tools.builtin import PythonLimits, make_python_tool, python
 from rollout.tools.chat import ChatFormat, check_template
 from rollout.tools.loop import ToolEnvironment, Trajectory, run_multiturn, tool_metrics
@@ -46,6 +46,19 @@ class ToolRolloutOutput:
         batch = pack_batch(self.prompt_ids, self.responses, pad_id)
         batch["response_mask"] = batch["response_mask"] * self.tool_mask                # [b, R]
         return batch
+
+    @staticmethod
+    def concat(parts: list["ToolRolloutOutput"]) -> "ToolRolloutOutput":
+        """The outputs of consecutive parts of one batch (the shares of a sequence-parallel group), as
+        one in their order; time/tools_s is the longest part's (they ran side by side)."""
+        R = max(part.tool_mask.shape[1] for part in parts)
+        logprobs = None if any(p.logprobs is None for p in parts) else [lp for p in parts for lp in p.logprobs]
+        return ToolRolloutOutput([i for p in parts for i in p.prompt_ids], [r for p in parts for r in p.responses],
+                                 logprobs, torch.cat([torch.nn.functional.pad(p.tool_mask, (0, R - p.tool_mask.shape[1]))
+                                                      for p in parts]),
+                                 torch.cat([p.truncated for p in parts]),
+                                 {k: [v for p in parts for v in p.columns[k]] for k in parts[0].columns},
+                                 [t for p in parts for t in p.trajectories], max(p.tools_s for p in parts))
 
     def bonus(self, per_trajectory: float) -> torch.Tensor:
         """tool_call_bonus on each trajectory with at least one tool call that did not fail -> [b]."""
@@ -89,8 +102,9 @@ class ToolRollouts:
                             f"arguments ({e})") from None
 
     def generate(self, engine: RolloutEngine, prompts: PromptSet, params: SamplingParams,
-                 any_active=None) -> ToolRolloutOutput:
-        """One trajectory per row of `prompts` (already repeated rollout_n times, prompt-major)."""
+                 any_active=None, share: Share | None = None) -> ToolRolloutOutput:
+        """One trajectory per row of `prompts` (already repeated rollout_n times, prompt-major).
+        share: these rows' places in a batch other ranks run the rest of (run_multiturn)."""
         cfg, clock = self.cfg, {}
         rows = prompts.rows or [{} for _ in prompts.ids]
         messages = [_messages(row.get(cfg.prompt_key, text)) for row, text in zip(rows, prompts.texts)]
@@ -98,12 +112,12 @@ class ToolRollouts:
                                      cfg.max_response_length, cfg.max_turns,
                                      rows=[{**row, "messages": m} for row, m in zip(rows, messages)],
                                      tool_workers=cfg.tool_workers, overlap=cfg.tool_overlap,
-                                     any_active=any_active, clock=clock)
-        longest = max(len(t.prompt_ids) for t in trajectories)
+                                     any_active=any_active, clock=clock, share=share)
+        longest = max((len(t.prompt_ids) for t in trajectories), default=0)
         if longest > cfg.max_prompt_length:
             raise UserError(f"a prompt rendered with the tool schemas is {longest} tokens > max_prompt_length="
                             f"{cfg.max_prompt_length}: raise max_prompt_length (it counts the tools' descriptions)")
-        R = max(1, max(len(t.mask) for t in trajectories))
+        R = max(1, max((len(t.mask) for t in trajectories), default=0))
         tool_mask = torch.zeros(len(trajectories), R)                                  # [b, R]
         for i, t in enumerate(trajectories):
             tool_mask[i, :len(t.mask)] = torch.tensor(t.mask, dtype=tool_mask.dtype)
