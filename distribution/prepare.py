@@ -42,6 +42,9 @@ def check_world_size(cfg: Config, world: int) -> None:
         if getattr(cfg, key) is not None and getattr(cfg, key) % dp:
             raise UserError(f"{key}={getattr(cfg, key)} is not divisible by {ranks}: change {key} or num_processes")
     tp = cfg.rollout_tensor_model_parallel_size
+    if tp > 1 and sp > 1 and tp % sp and sp % tp:
+        raise UserError(f"rollout_tensor_model_parallel_size={tp} and ulysses_sequence_parallel_size={sp}: one must "
+                        "divide the other (a vLLM engine spans whole sequence-parallel groups or lies within one)")
     if tp > 1 and not torch.cuda.is_available():
         raise UserError(f"rollout_tensor_model_parallel_size={tp}: vLLM tensor parallelism needs GPUs and this machine "
                         "has none: set rollout_tensor_model_parallel_size=1 (one engine per process)")

@@ -47,7 +47,7 @@ from forward.batch import spread
 _group = None          # this rank's SP process group (DeepSpeed's parallel_state_sp)
 _size = 1
 _rank = 0
-_leader = 0            # the global rank of the group's first member, whose rollouts the group trains on
+_leader = 0            # the global rank of the group's first member
 _layers: dict = {}     # (heads, kv heads, head dim, layers) -> UlyssesSPAttentionHF
 
 
@@ -60,6 +60,11 @@ def data_parallel(accelerator) -> tuple[int, int]:
     sequence-parallel, the ranks of one SP group are consecutive and count as one data-parallel
     rank. Batch sizes, prompt shares and token budgets are per data-parallel rank, as in verl."""
     return accelerator.num_processes // _size, accelerator.process_index // _size
+
+
+def leader() -> int:
+    """The global rank of this rank's group's first member (sp 1: this rank)."""
+    return _leader if _size > 1 else torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def share(n: int) -> tuple[int, int]:
@@ -80,8 +85,8 @@ def gather(obj) -> list:
 
 def from_leader(obj):
     """obj as the group's first rank has it, on every rank of the SP group (a collective of the
-    group; sp 1: obj itself). The group trains on one set of rollouts, so whatever a rank draws
-    for itself (samples, a resampling) is taken from one rank, not trusted to come out the same."""
+    group; sp 1: obj itself). The group trains on one batch, so whatever a rank draws for itself
+    (a resampling) is taken from one rank, not trusted to come out the same."""
     if _size == 1:
         return obj
     box = [obj]

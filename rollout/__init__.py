@@ -41,13 +41,16 @@ class Share:
     rest (the other ranks of a sequence-parallel group; multi-turn rollouts' other passes): rows[i]
     is prompts[i]'s place in the batch. The engines key a response's random draws to that place
     (x n + its sample), not to the call it came in: shares sample what one call on the whole batch
-    would, and the engine's random state moves on as after the whole batch, alike on every rank."""
+    would, and the engine's random state moves on as after the whole batch, alike on every rank.
+    batch: which batch (the global rank of its group's first member), for an engine that serves
+    several ranks (vLLM tensor parallelism) to tell shares of one batch from different batches."""
     rows: tuple[int, ...]
     total: int
+    batch: int = 0
 
     @staticmethod
-    def of(first: int, count: int, total: int) -> "Share":
-        return Share(tuple(range(first, first + count)), total)
+    def of(first: int, count: int, total: int, batch: int = 0) -> "Share":
+        return Share(tuple(range(first, first + count)), total, batch)
 
     def keys(self, n: int) -> list[int]:
         """Each response's place in the batch: prompt-major, n samples a prompt."""

@@ -67,9 +67,7 @@ def generate_split(engine, prompts, params: SamplingParams, tools=None, any_acti
     gather is a collective of all ranks."""
     rows = len(prompts.ids) if tools else len(prompts)
     lo, hi = ulysses.share(rows)
-    share = Share.of(lo, hi - lo, rows) if ulysses.size() > 1 else None
-    if tools:
-        mine = tools.generate(engine, prompts.take(range(lo, hi)) if share else prompts, params, any_active, share)
-    else:
-        mine = engine.generate(prompts[lo:hi], params, share)
+    share = Share.of(lo, hi - lo, rows, ulysses.leader()) if ulysses.size() > 1 else None
+    mine = tools.generate(engine, prompts.take(range(lo, hi)), params, any_active, share) if tools else \
+        engine.generate(prompts[lo:hi], params, share)
     return mine if share is None else type(mine).concat(ulysses.gather(mine))

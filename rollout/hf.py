@@ -41,7 +41,7 @@ class HFEngine:
             pad_token_id=self.pad_id,
         )
         expanded = [p for p in prompts for _ in range(params.n)]
-        keys = share.keys(params.n) if share else list(range(len(expanded)))        # each row's place in the batch
+        keys = (share or Share.of(0, len(prompts), len(prompts))).keys(params.n)   # each row's place in the batch
         seed = None if params.temperature == 0 else int(torch.randint(2**62, ()))  # the same on every rank of a split
         responses, logprobs = [], []
         # generate() fills unset values from model.generation_config, which would bring the

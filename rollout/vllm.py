@@ -31,8 +31,10 @@ class VLLMEngine:
                  distributed: bool = False, enforce_eager: bool = False, sleep_level: int = 1,
                  eos_token_id: int | list[int] | None = None, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, tensor_parallel_size: int = 1):
-        """seed: give each rank its own (e.g. run seed + rank); every sampled sequence gets its own
-        vLLM seed derived from it and a counter, so a run's rollouts are reproducible.
+        """seed: give each batch its own (e.g. run seed + data-parallel rank: the ranks of a
+        sequence-parallel group split one batch and share one); every sampled sequence gets its own
+        vLLM seed derived from it, a counter and its place in the batch, so a run's rollouts are
+        reproducible.
         kv_cache_gb bounds the KV cache on CPU; gpu_memory_utilization and enable_sleep_mode
         apply on GPU only. distributed: one engine per process of an accelerate/torchrun launch.
         enforce_eager: no CUDA graphs (on CPU the engine is always eager). sleep_level: 1 keeps the
@@ -162,9 +164,10 @@ class VLLMEngine:
         mine = members.index(dist.get_rank())
         starts = [sum(len(p) for p in shares[:k]) for k in range(len(members) + 1)]   # within the group's requests
         split = [s for _, s in gathered]
-        rows = [r for s in split if s is not None for r in s.rows]
-        one_batch = all(s is not None and s.total == split[0].total for s in split) and len(set(rows)) == len(rows)
-        whole = Share(tuple(rows), split[0].total) if one_batch else Share.of(0, starts[-1], starts[-1])
+        one_batch = all(s is not None and (s.batch, s.total) == (split[0].batch, split[0].total) for s in split)
+        # one batch: its places (a multi-turn filler may repeat one; its output is dropped), one counter move
+        whole = Share(tuple(r for s in split for r in s.rows), split[0].total, split[0].batch) if one_batch \
+            else Share.of(0, starts[-1], starts[-1])
         self._tp_group = None        # generate() below runs the plain path once, on every member alike
         try:
             out = self.generate([p for s in shares for p in s], params, whole)

@@ -42,6 +42,10 @@ def test_config_refuses_what_cannot_split():
                                         r"processes / ulysses_sequence_parallel_size=2\)"):
         check_world_size(Config(ulysses_sequence_parallel_size=2, train_batch_size=3, ppo_mini_batch_size=3), 4)
     check_world_size(Config(ulysses_sequence_parallel_size=2, train_batch_size=3, ppo_mini_batch_size=3), 2)
+    with pytest.raises(UserError, match=r"rollout_tensor_model_parallel_size=2 and ulysses_sequence_parallel_size=3: "
+                                        r"one must divide the other"):
+        check_world_size(Config(ulysses_sequence_parallel_size=3, rollout_tensor_model_parallel_size=2,
+                                rollout_engine="vllm", train_batch_size=2, ppo_mini_batch_size=2), 6)
     check_world_size(Config(ulysses_sequence_parallel_size=2), 2)
     check_world_size(Config(), 2)
 

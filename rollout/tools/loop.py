@@ -96,10 +96,16 @@ def run_multiturn(engine: RolloutEngine, chat: ChatFormat, prompts: list[list[di
         messages = list(opening or messages)
         trajectories.append(Trajectory(prompt_ids=chat.prompt_ids(messages), messages=messages))
     params = replace(params, n=1, ignore_eos=False)
-    share = share or Share.of(0, len(trajectories), len(trajectories))
     filler = [trajectories[0].prompt_ids[:1] if trajectories else [0]]   # a rank without trajectories has none
+    place = list(share.rows) if share else list(range(len(trajectories)))   # each trajectory's place in the batch
+
+    def keyed(places) -> Share | None:   # a pass's Share: its trajectories' places in a split batch
+        return Share(tuple(places), share.total, share.batch) if share else None
+
     n_halves = 2 if overlap else 1
-    half = [i % n_halves for i in range(len(trajectories))]   # interleaved: a prompt's rollout_n samples in both
+    # interleaved by place in the batch: a prompt's rollout_n samples in both halves; a trajectory
+    # takes the same passes however the batch is split
+    half = [place[i] % n_halves for i in range(len(trajectories))]
     ready = list(range(len(trajectories))) if max_turns > 0 and max_response_length > 0 else []   # to generate next
     pending: dict[int, Future] = {}                      # trajectory -> its environment step, running in the pool
     for t in trajectories:
@@ -118,13 +124,12 @@ def run_multiturn(engine: RolloutEngine, chat: ChatFormat, prompts: list[list[di
             batch = sorted(i for i in ready if half[i] == h)
             if not batch:
                 if any_active is not None:   # filler pass: keeps this rank's generate calls in step with the others
-                    engine.generate(filler, replace(params, max_tokens=1), Share((0,), share.total))
+                    engine.generate(filler, replace(params, max_tokens=1), keyed([0]))   # its draws: dropped
                 continue
             ready = [i for i in ready if half[i] != h]
             room = {i: max_response_length - len(trajectories[i].response_ids) for i in batch}
             out = engine.generate([trajectories[i].prompt_ids + trajectories[i].response_ids for i in batch],
-                                  replace(params, max_tokens=max(room.values())),
-                                  Share(tuple(share.rows[i] for i in batch), share.total))
+                                  replace(params, max_tokens=max(room.values())), keyed(place[i] for i in batch))
             for k, i in enumerate(batch):
                 traj, ids = trajectories[i], out.responses[k][:room[i]]
                 if out.logprobs is None:

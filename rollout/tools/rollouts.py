@@ -126,8 +126,8 @@ class ToolRollouts:
                    "tool_errors": [t.tool_errors for t in trajectories],
                    "env_reward": [t.env_reward for t in trajectories]}
         return ToolRolloutOutput([t.prompt_ids for t in trajectories], [t.response_ids for t in trajectories],
-                                 logprobs, tool_mask, torch.tensor([t.truncated for t in trajectories]), columns,
-                                 trajectories, clock.get("tools_s", 0.0))
+                                 logprobs, tool_mask, torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
+                                 columns, trajectories, clock.get("tools_s", 0.0))
 
 
 def make_tool_rollouts(cfg: Config, tokenizer) -> ToolRollouts | None:
