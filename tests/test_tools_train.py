@@ -320,20 +320,27 @@ def test_zero3_two_processes_with_skewed_turns(model_dir, tmp_path, sp):
     """The step gives one rank the calculator prompt (2 turns) and the other "Say hi." (1 turn), and so
     does the greedy validation after it: the rank that finishes first runs filler passes, so ZeRO-3's
     gathered generation does not hang. sp=2: the two ranks are one sequence-parallel group of those two
-    prompts; each runs one trajectory and its tool calls, and both train on both trajectories."""
+    prompts; each runs one trajectory and its tool calls, and both train on both trajectories. The
+    validation set is the calculator prompt alone: with sp=2 one rank of the group has no share and
+    runs filler passes only; with 2 data-parallel ranks the second repeats it (not counted)."""
     model_path, data, _, _ = model_dir
+    val = tmp_path / "val.jsonl"
+    val.write_text(data.read_text().splitlines()[0] + "\n")   # "What is 6*7?"
+    assert "6*7" in val.read_text()
     calls = tmp_path / "calls.log"
     env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1", TOOL_CALL_LOG=str(calls))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / "zero3.yaml"), "--main_process_port", str(free_port()),
            str(SCRIPT), *run_args(model_path, data, tmp_path / "out", "--rollout_n=1", "--total_training_steps=1",
                                   "--test_freq=1", "--val_before_train=false", "--tools=tests.tool_rewards:calculator",
+                                  f"--val_files={val}",
                                   f"--ulysses_sequence_parallel_size={sp}")]
     proc = forkserver.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     check_tool_metrics(tmp_path / "out", steps=(1,))
     # the calculator prompt's one call in the step and one in the validation, each run by one rank
-    assert len(calls.read_text().splitlines()) == 2, calls.read_text()
+    # (sp=1: and the second data-parallel rank's repeat of the validation prompt)
+    assert len(calls.read_text().splitlines()) == {1: 3, 2: 2}[sp], calls.read_text()
 
 
 def test_tools_and_environment_are_exclusive():
