@@ -4,6 +4,7 @@ Because it generates with the training weights, there is nothing to sync, sleep 
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from contextlib import ExitStack, contextmanager
 from typing import Iterable
@@ -15,6 +16,9 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from forward.head_logprobs import head_matmul, sampling_support
 from rollout import RolloutOutput, SamplingParams, Share, cut_at_eos
+
+
+WAVE = 128   # tokens generate() runs before the rows that ended leave the batch (HFEngine._generate_chunk)
 
 
 class HFEngine:
@@ -60,8 +64,7 @@ class HFEngine:
                                                  LogitsProcessorList([sampler] if sampler else []))
                     responses += chunk
                     if sampler is not None:
-                        drawn = sampler.logprobs().tolist()                                   # [b, steps]
-                        logprobs += [row[:len(tokens)] for row, tokens in zip(drawn, chunk)]
+                        logprobs += [row[:len(tokens)] for row, tokens in zip(sampler.logprobs(), chunk)]
         finally:
             self.model.generation_config = saved_cfg
             self.model.train(was_training)
@@ -69,6 +72,11 @@ class HFEngine:
         return RolloutOutput(responses=responses, logprobs=logprobs if params.temperature != 0 else None)
 
     def _generate_chunk(self, prompts: list[list[int]], gen_cfg: GenerationConfig, processors) -> list[list[int]]:
+        """The responses to these prompts. generate() keeps a row that reached EOS in the batch until
+        the longest ends, each step paying for it (at long caches a row costs about as much as the
+        weights it reads); so, where the cache can be carried over (growing_cache), generation goes
+        in waves of WAVE tokens, and the rows that ended leave the batch and the cache between them.
+        Each row's draws are its own (Sampler), so the waves sample what one call does."""
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)      # [b, P] left-padded
@@ -76,15 +84,35 @@ class HFEngine:
         for row, p in enumerate(prompts):
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
         cache = growing_cache(self.model, width + gen_cfg.max_new_tokens)          # None: generate() builds its own
         kept = {"past_key_values": cache} if cache is not None else {}
-        out = self.model.generate(ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg,
-                                  logits_processor=processors, synced_gpus=False,   # the caller provides full weights (contexts)
-                                  **kept)
-        new_tokens = out[:, width:].tolist()                                           # [b, <=R]
-        if gen_cfg.eos_token_id is None:   # ignore_eos: every sampled token counts
-            return new_tokens
-        return [cut_at_eos(t, self.eos_ids) for t in new_tokens]
+        wave = gen_cfg.max_new_tokens if cache is None or gen_cfg.eos_token_id is None else WAVE
+        alive, responses, left = list(range(len(prompts))), [[] for _ in prompts], gen_cfg.max_new_tokens
+        while True:
+            step_cfg = copy.copy(gen_cfg)
+            step_cfg.max_new_tokens = min(wave, left)
+            out = self.model.generate(ids, attention_mask=mask, generation_config=step_cfg, logits_processor=processors,
+                                      synced_gpus=False, **kept)   # the caller provides full weights (contexts)
+            new = out[:, ids.shape[1]:]                                                # [a, <= wave]
+            left -= new.shape[1]
+            ended = []
+            for k, row in enumerate(alive):
+                tokens = new[k].tolist() if gen_cfg.eos_token_id is None else cut_at_eos(new[k].tolist(), self.eos_ids)
+                responses[row] += tokens
+                ended.append(len(tokens) < new.shape[1] or bool(tokens) and tokens[-1] in self.eos_ids)
+            stay = [k for k, done in enumerate(ended) if not done]
+            if left <= 0 or not stay:
+                return responses
+            mask = torch.cat([mask, mask.new_ones(new.shape)], dim=1)
+            if len(stay) < len(alive):   # the rows that ended leave the batch, their cache and their draws
+                pick = torch.tensor(stay, device=device)
+                out, mask = out[pick], mask[pick]
+                cache.batch_select_indices(pick)
+                for processor in processors:
+                    processor.keep(stay)
+                alive = [alive[k] for k in stay]
+            ids = out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         pass   # generation runs on the actor's own parameters
@@ -195,7 +223,8 @@ class Sampler(LogitsProcessor):
         self.seed = int(torch.randint(2**62, ())) if seed is None else seed
         self.keys = keys                                                           # None: rows 0, 1, ...
         self._rows: list[np.random.Generator] = []                                # one per row, made at the first step
-        self._drawn: list[torch.Tensor] = []                                       # [b] per step
+        self._alive: list[int] = []                                                # the rows still in the batch
+        self._drawn: list[list[float]] = []                                        # per row, a log-prob per step
 
     def __call__(self, input_ids, scores):
         z = scores.float() / self.temperature                                       # [b, V]
@@ -206,12 +235,19 @@ class Sampler(LogitsProcessor):
         if not self._rows:
             keys = self.keys if self.keys is not None else range(cdf.shape[0])
             self._rows = [np.random.default_rng([self.seed, key]) for key in keys]
+            self._alive, self._drawn = list(range(len(self._rows))), [[] for _ in self._rows]
         u = torch.tensor([[g.random()] for g in self._rows], dtype=torch.float64).to(cdf.device) * cdf[:, -1:]
         token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)   # [b, 1]
         # a token of zero probability is never picked: searchsorted(right=True) skips flat steps
-        self._drawn.append(probs.gather(-1, token).log().squeeze(-1).float())        # [b]
+        for row, logprob in zip(self._alive, probs.gather(-1, token).log().squeeze(-1).float().tolist()):
+            self._drawn[row].append(logprob)
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(-1, token, 0.0)
 
-    def logprobs(self) -> torch.Tensor:
-        return torch.stack(self._drawn, dim=-1)                                      # [b, steps]
+    def keep(self, stay: list[int]) -> None:
+        """Only the batch's rows `stay` go on (the others ended): their generators go on drawing."""
+        self._rows, self._alive = [self._rows[k] for k in stay], [self._alive[k] for k in stay]
+
+    def logprobs(self) -> list[list[float]]:
+        """Each row's log-prob of every token it drew, the rows in the order of the first call."""
+        return self._drawn

@@ -144,6 +144,28 @@ def test_hf_engine_samples_from_the_models_own_distribution(model_type, saved):
             torch.testing.assert_close(torch.tensor(drawn), own, **TOL)
 
 
+@pytest.mark.parametrize("model_type", [t if t in FAST else pytest.param(t, marks=pytest.mark.slow)
+                                        for t in model_registry.families()
+                                        if t not in loading.REFUSED and t not in model_registry.ACAUSAL])
+def test_hf_engine_in_waves_samples_what_one_call_does(model_type, saved, monkeypatch):
+    """Rows that reached EOS leave the batch, their KV cache and their draws between waves of
+    generate(): with waves of 3 tokens and an eighth of the vocabulary as stop tokens (rows end at
+    different steps), the responses are one call's and each drawn token's reported log-prob still
+    equals the model's own forward on the whole sequence."""
+    import rollout.hf as hf
+    tokenizer, actor, _, _, _ = load_models(Config(model_path=str(saved(model_type)), remove_padding=True))
+    stops = [t for t in range(actor.get_input_embeddings().num_embeddings) if t % 8 == 3]
+    runs = {}
+    for wave in (3, 10**6):
+        monkeypatch.setattr(hf, "WAVE", wave)
+        torch.manual_seed(0)
+        runs[wave] = HFEngine(actor, stops, tokenizer.pad_token_id).generate(PROMPTS, SamplingParams(max_tokens=12))
+    assert runs[3].responses == runs[10**6].responses, (runs[3].responses, runs[10**6].responses)
+    expected, _ = reference(eager_twin(actor).requires_grad_(False), 1.0, PROMPTS, runs[3].responses)
+    for drawn, own in zip(runs[3].logprobs, expected):
+        torch.testing.assert_close(torch.tensor(drawn), own, **TOL)
+
+
 @pytest.mark.parametrize("head", ["chunked", "model's own logits"])
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_positions_after_a_shorter_response_read_zero_and_the_rest_stays_exact(saved, monkeypatch, layout, head):

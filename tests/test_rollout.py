@@ -327,3 +327,21 @@ def test_vllm_shares_of_a_batch_sample_what_one_call_on_it_does(tiny, engine, sp
     assert split.responses == whole.responses and len({tuple(r) for r in whole.responses}) > len(prompts)
     for a, b in zip(split.logprobs, whole.logprobs):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+
+
+def test_hf_engine_in_waves_samples_what_one_call_does(tiny, monkeypatch):
+    """generate() in waves of 3 tokens, the rows that reached EOS leaving the batch between them:
+    the responses and log-probs of one call (rows ending in the first wave, later and never)."""
+    import rollout.hf as hf
+    _, model, prompts = tiny
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=24)
+    runs = {}
+    for wave in (3, 10**6):
+        monkeypatch.setattr(hf, "WAVE", wave)
+        torch.manual_seed(0)
+        runs[wave] = HFEngine(model, EOS, PAD).generate(prompts, params)
+    lengths = [len(r) for r in runs[3].responses]
+    assert min(lengths) <= 3 and any(3 < n < 24 for n in lengths) and max(lengths) == 24, lengths
+    assert runs[3].responses == runs[10**6].responses
+    for a, b in zip(runs[3].logprobs, runs[10**6].logprobs):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5)   # other batch sizes: fp32 rounding
