@@ -282,8 +282,7 @@ def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet, 
     params = SamplingParams(n=1, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_response_length)
     # an SP group's ranks sample a share each and all score the group's batch (a split reward-model pass)
-    out = generate_split(engine, mine, params, tools, any_over_ranks(accelerator)) if tools else \
-        generate_split(engine, mine.ids, params)
+    out = generate_split(engine, mine, params, tools, any_over_ranks(accelerator))
     responses = out.responses
     batch = to_device(out.batch(tokenizer.pad_token_id) if tools else pack_batch(mine.ids, responses, tokenizer.pad_token_id),
                       accelerator.device)
@@ -521,9 +520,9 @@ def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, ag
         sampling = SamplingParams(n=cfg.rollout_n, temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                   max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
         # each rank of a sequence-parallel group samples a share; multi-turn: one trajectory per prompt
-        # and sample, every rank as many passes
-        rollout = generate_split(engine, prompts, sampling, run.tools, any_over_ranks(run.accelerator)) if run.tools \
-            else generate_split(engine, run.train.take(idx).ids, sampling)
+        # and sample (prompts repeated rollout_n times), every rank as many passes
+        rollout = generate_split(engine, prompts if run.tools else run.train.take(idx), sampling, run.tools,
+                                 any_over_ranks(run.accelerator))
         engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
     with timed(times, "score"):
         # multi-turn: response_mask is 0 at tool tokens (no policy loss, KL, entropy, value or advantage)

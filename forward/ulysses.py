@@ -63,8 +63,8 @@ def data_parallel(accelerator) -> tuple[int, int]:
 
 
 def leader() -> int:
-    """The global rank of this rank's group's first member (sp 1: this rank)."""
-    return _leader if _size > 1 else torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    """The global rank of this rank's group's first member (sp > 1)."""
+    return _leader
 
 
 def share(n: int) -> tuple[int, int]:
@@ -87,11 +87,7 @@ def from_leader(obj):
     """obj as the group's first rank has it, on every rank of the SP group (a collective of the
     group; sp 1: obj itself). The group trains on one batch, so whatever a rank draws for itself
     (a resampling) is taken from one rank, not trusted to come out the same."""
-    if _size == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=_leader, group=_group)   # pickled; NCCL: via the current GPU
-    return box[0]
+    return gather(obj)[0]
 
 
 def setup(sp_size: int) -> None:

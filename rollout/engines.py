@@ -7,6 +7,7 @@ import sys
 from config import Config
 from errors import UserError
 from forward import ulysses
+from prompts.sets import PromptSet
 from rollout import SamplingParams, Share
 
 
@@ -56,18 +57,17 @@ def fresh_mismatch_warning(drift: float, engine: str, dtype: str, model_type: st
             f"rollout_engine=hf samples from the actor itself)")
 
 
-def generate_split(engine, prompts, params: SamplingParams, tools=None, any_active=None):
+def generate_split(engine, prompts: PromptSet, params: SamplingParams, tools=None, any_active=None):
     """Rollouts of a sequence-parallel group's prompts (the same on every rank of the group): each
     rank samples its share of them and every rank gets the whole group's rollouts, in prompt order,
-    the same as one call on all of them samples (rollout.Share). prompts: token ids for
-    engine.generate, or with tools (multi-turn) a PromptSet of one row per trajectory for
-    tools.generate (any_active: its passes' agreement over all ranks); each trajectory's tool calls
-    then run on one rank only. A collective of the group; sp 1: the plain call. A rank left without
+    the same as one call on all of them samples (rollout.Share): engine.generate on their ids, or
+    with tools (multi-turn, one row per trajectory) tools.generate (any_active: its passes'
+    agreement over all ranks); each trajectory's tool calls then run on one rank only. A collective of the group; sp 1: the plain call. A rank left without
     a prompt (fewer prompts than ranks) still calls the engine, on none: the hf engine's ZeRO-3
     gather is a collective of all ranks."""
-    rows = len(prompts.ids) if tools else len(prompts)
+    rows = len(prompts.ids)
     lo, hi = ulysses.share(rows)
     share = Share.of(lo, hi - lo, rows, ulysses.leader()) if ulysses.size() > 1 else None
     mine = tools.generate(engine, prompts.take(range(lo, hi)), params, any_active, share) if tools else \
-        engine.generate(prompts[lo:hi], params, share)
+        engine.generate(prompts.ids[lo:hi], params, share)
     return mine if share is None else type(mine).concat(ulysses.gather(mine))
