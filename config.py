@@ -91,8 +91,8 @@ class Config:
     save_total_limit: int = opt(2, "keep only the newest K checkpoints")
     resume: str = opt("auto", "auto (newest complete checkpoint in output_dir/checkpoints) | never | a checkpoint path")
     malloc_mmap_threshold_mb: float = opt(0.0, "host blocks of this size and more go back to the OS when freed "
-                                               "(glibc): less peak memory, slower steps (host_memory.py); 0 = "
-                                               "glibc's adaptive default")
+                                               "(glibc): less peak memory, slower steps (host_memory.py); 0 = freed blocks "
+                                               "stay for reuse (no page faults)")
     # guards
     kl_rollback_threshold: float = opt(0.0, "kl/mean above this reloads the last checkpoint with a lower actor lr; 0 = off")
     rollback_lr_factor: float = opt(0.5, "each rollback multiplies the actor's learning rate by this")

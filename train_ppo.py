@@ -376,7 +376,7 @@ def setup(cfg: Config) -> Run:
     """Accelerator, models (DeepSpeed engines under DeepSpeed), data, rollout engine, tracking; a
     checkpoint to resume from is found and checked before any model loads, and loaded after."""
     lean_imports.skip_unused()   # before Accelerate imports DeepSpeed (load_models repeats it for direct callers)
-    host_memory.return_large_blocks(cfg.malloc_mmap_threshold_mb)   # before the models' tensors exist
+    host_memory.set_malloc(cfg.malloc_mmap_threshold_mb)   # before the models' tensors exist
     import yaml
     from accelerate.utils import set_seed
 
