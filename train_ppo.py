@@ -143,10 +143,11 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                     with autocast(), torch.no_grad():   # every rank reacts alike: the same passes everywhere
                         _, at_config = response_logprobs(actor, micro, cfg.temperature, with_entropy=True)
                     done.add({"guard/entropy": masked_mean(at_config, m).item()})
-                with autocast():
-                    logprob, entropy = response_logprobs(actor, micro, temperature, with_entropy=True,
+                guard = cfg.entropy_floor and epoch == 0 and temperature == cfg.temperature
+                with autocast():   # the entropy only where the loss or the guard reads it
+                    logprob, entropy = response_logprobs(actor, micro, temperature, with_entropy=bool(entropy_coeff) or guard,
                                                          entropy_grad=entropy_coeff != 0)
-                if cfg.entropy_floor and epoch == 0 and temperature == cfg.temperature:
+                if guard:
                     done.add({"guard/entropy": masked_mean(entropy.detach(), m).item()})
                 pg, pg_stats = policy_loss(micro["old_logprob"], logprob, micro["advantages"], m, low, high,
                                            cfg.clip_ratio_c, cfg.loss_agg_mode, micro.get("is_weights"), **norms)
@@ -162,7 +163,6 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                 backward(actor, loss, ds)
             loss_total["actor/pg_loss"] += pg.item()
             done.add({f"actor/{k}": v.item() for k, v in pg_stats.items()})
-            done.add({"actor/entropy": masked_mean(entropy.detach(), m).item()})
         if sft is not None:   # PPO-ptx: one pass of supervised data in every mini-batch, on every rank
             with oom.agreed("actor"):
                 nll = sft_loss(accelerator, actor, sft, autocast)
@@ -309,7 +309,7 @@ def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group
     start = ulysses.data_parallel(accelerator)[1] * rows
     full = {k: gather_rows(accelerator, v) for k, v in
             {"scores": token_scores, "mask": batch["response_mask"], "old": batch["old_logprob"],
-             "ref": batch.get("ref_logprob", batch["old_logprob"]),
+             "ref": batch.get("ref_logprob", batch["old_logprob"]), "entropy": batch["old_entropy"],
              "values": batch.get("values", torch.zeros_like(token_scores))}.items()}
     metrics = {}
     beta = kl_ctrl.value   # read before the update, as verl does
@@ -321,6 +321,9 @@ def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group
             token_rewards = shaped
             kl_ctrl.update(current_kl.item(), n_steps=full["scores"].shape[0])
         metrics = {"kl/mean": current_kl.item(), "kl/coef": beta if cfg.use_kl_in_reward else 0.0}
+    # verl's actor/entropy: the old-log-prob pass's, over the whole batch, aggregated as the loss is
+    metrics["actor/entropy"] = agg_loss(full["entropy"], full["mask"], cfg.loss_agg_mode,
+                                        seq_len=cfg.max_response_length).item()
     all_valid = gather_rows(accelerator, valid.float()) > 0                                       # [B]
     adv, returns = compute_advantages(cfg, token_rewards, full["values"], full["mask"], group_ids, all_valid)
     if cfg.adv_estimator == "gae":
@@ -591,15 +594,12 @@ def forward_passes(run: Run, batch: dict, temperature: float) -> torch.Tensor:
     micro, max_tokens = run.oom.size("log_prob")
     passes = dict(size=micro, max_tokens=max_tokens, agree=max_over_ranks(accelerator))
     truncation = (cfg.top_k, cfg.top_p) if cfg.top_k > 0 or cfg.top_p < 1 else None
-    if truncation is None:
-        batch["old_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.actor)), batch, **passes)  # [b, R]
-        actor_sampling = batch["old_logprob"]
-    else:   # the samplers report log-probs of the cut distribution: the actor's too, from the same pass
-        def full_and_cut(mb):
-            logprob, _, cut = response_logprobs(run.actor, mb, temperature, truncation=truncation)
-            return torch.stack([logprob, cut], dim=-1)                                    # [b, r, 2]
-        both = forward_in_micro_batches(agreed(full_and_cut), batch, **passes)            # [b, R, 2]
-        batch["old_logprob"], actor_sampling = both[..., 0].contiguous(), both[..., 1].contiguous()
+    # the old log-probs with the entropy (actor/entropy, as verl measures it) and, where the samplers
+    # report log-probs of a cut distribution (top_k / top_p), the actor's of the same, from one pass
+    outs = forward_in_micro_batches(agreed(lambda mb: torch.stack(response_logprobs(
+        run.actor, mb, temperature, with_entropy=True, truncation=truncation), dim=-1)), batch, **passes)   # [b, R, 2 or 3]
+    batch["old_logprob"], batch["old_entropy"] = outs[..., 0].contiguous(), outs[..., 1].contiguous()
+    actor_sampling = batch["old_logprob"] if truncation is None else outs[..., 2].contiguous()
     if run.ref is not None:
         batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.ref)), batch, **passes)
     elif cfg.lora_rank and (cfg.use_kl_in_reward or cfg.use_kl_loss):

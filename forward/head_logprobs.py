@@ -60,11 +60,12 @@ def blocks(vocab: int, device_type: str) -> tuple[int, int]:
     return chunk_rows(vocab, device_type), vocab
 
 
-def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap):
+def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap, with_entropy: bool):
     """h [r, H] -> (logprob, entropy, lse) [r] each, the vocabulary `cols` at a time. Per row it
     carries the largest logit so far m, total = sum exp(z - m) and spread = sum exp(z - m) (z - m),
     both rescaled when m grows; then lse = m + log total and the entropy -sum p log p =
-    log total - spread / total: sums of small same-signed terms, exact also when the entropy is low."""
+    log total - spread / total: sums of small same-signed terms, exact also when the entropy is low.
+    Without with_entropy the spread is not summed and the entropy is None."""
     chosen = h.new_full((h.shape[0],), float("nan"), dtype=torch.float32)         # a token past the last block: NaN, not a stale number
     top = total = spread = None
     for j, v0 in enumerate(range(0, w.shape[0], cols)):
@@ -75,30 +76,33 @@ def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap):
         z = z.sub_(m[:, None])
         e = z.exp()
         if top is None:
-            total, spread = e.sum(-1), (e * z).sum(-1)
+            total, spread = e.sum(-1), (e * z).sum(-1) if with_entropy else None
         else:
             shift = top - m                                                        # <= 0
             grow = shift.exp()
-            spread = grow * (spread + total * shift) + (e * z).sum(-1)
+            if with_entropy:
+                spread = grow * (spread + total * shift) + (e * z).sum(-1)
             total = grow * total + e.sum(-1)
         top = m
     lse = top + total.log()
-    return chosen - lse, total.log() - spread / total, lse
+    return chosen - lse, total.log() - spread / total if with_entropy else None, lse
 
 
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature, compute_dtype, scale, softcap):
+    def forward(ctx, hidden, weight, tokens, temperature, compute_dtype, scale, softcap, with_entropy):
         ctx.set_materialize_grads(False)
         n = hidden.shape[0]
         rows, cols = blocks(weight.shape[0], hidden.device.type)
         logprob = hidden.new_empty(n, dtype=torch.float32)
-        entropy = hidden.new_empty(n, dtype=torch.float32)
+        entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)   # [0]: not computed
         lse = hidden.new_empty(n, dtype=torch.float32)
         w = weight.to(compute_dtype)
         for s in range(0, n, rows):
-            logprob[s:s + rows], entropy[s:s + rows], lse[s:s + rows] = _block_forward(
-                hidden[s:s + rows], w, tokens[s:s + rows], cols, temperature, compute_dtype, scale, softcap)
+            logprob[s:s + rows], block_entropy, lse[s:s + rows] = _block_forward(
+                hidden[s:s + rows], w, tokens[s:s + rows], cols, temperature, compute_dtype, scale, softcap, with_entropy)
+            if with_entropy:
+                entropy[s:s + rows] = block_entropy
         ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
         ctx.temperature, ctx.compute_dtype, ctx.scale, ctx.softcap = temperature, compute_dtype, scale, softcap
         return logprob, entropy
@@ -109,7 +113,7 @@ class _HeadLogprobs(torch.autograd.Function):
         t, dtype = ctx.temperature, ctx.compute_dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logprob is None and grad_entropy is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         n = hidden.shape[0]
         rows, cols = blocks(weight.shape[0], hidden.device.type)
         w = weight.to(dtype)
@@ -130,7 +134,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 if need_w:
                     _accumulate(grad_weight[v0:v0 + cols], gz.t(), h.to(dtype))
         return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
-                None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None)
+                None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None, None)
 
 
 def _in_block(tokens, cols: int, j: int, vocab: int):
@@ -197,15 +201,18 @@ def _logits(hidden, weight, temperature, dtype, scale=1.0, softcap=None):
     return z if temperature == 1.0 else z.div_(temperature)
 
 
-def head_logprobs(hidden, weight, tokens, temperature: float = 1.0, scale: float = 1.0, softcap=None):
-    """hidden [N, H], weight [V, H] (the LM head's), tokens [N] -> (logprob [N], entropy [N]), fp32.
+def head_logprobs(hidden, weight, tokens, temperature: float = 1.0, scale: float = 1.0, softcap=None,
+                  with_entropy: bool = True):
+    """hidden [N, H], weight [V, H] (the LM head's), tokens [N] -> (logprob [N], entropy [N]), fp32;
+    entropy None without with_entropy (one element-wise pass less per block).
     scale, softcap: the model's own logit post-processing (module docstring), applied before temperature.
     The matmuls run in the autocast dtype when autocast is on, otherwise in the weight's dtype."""
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     with torch.autocast(device_type, enabled=False):
-        return _HeadLogprobs.apply(hidden, weight, tokens, float(temperature), dtype, float(scale),
-                                   None if softcap is None else float(softcap))
+        logprob, entropy = _HeadLogprobs.apply(hidden, weight, tokens, float(temperature), dtype, float(scale),
+                                               None if softcap is None else float(softcap), with_entropy)
+    return logprob, entropy if with_entropy else None
 
 
 def sampling_support(z, top_k: int = -1, top_p: float = 1.0):

@@ -48,9 +48,10 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     if fused:
         hidden = captured[0].reshape(-1, captured[0].shape[-1])                   # [n, H] packed, [B * R, H] padded
         hidden = hidden if packed is not None else hidden[real]                   # [n, H]
-        logprob, entropy = (spread(x, real).view(B, R)
-                            for x in head_logprobs(hidden, head.weight, tokens, temperature, *transform))
-        entropy = (entropy if entropy_grad else entropy.detach()) if with_entropy else None
+        logprob, entropy = head_logprobs(hidden, head.weight, tokens, temperature, *transform, with_entropy=with_entropy)
+        logprob = spread(logprob, real).view(B, R)
+        if with_entropy:
+            entropy = spread(entropy if entropy_grad else entropy.detach(), real).view(B, R)
         if truncation is None:
             return logprob, entropy
         truncated = truncated_logprobs(hidden, head.weight, tokens, temperature, *truncation, *transform)
@@ -113,7 +114,7 @@ def _sharded_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     truncated = None
     if fused:
         hidden = captured[0].reshape(tokens.shape[0], -1)                         # [n, H]
-        logprob, entropy = head_logprobs(hidden, head.weight, tokens, temperature, *transform)
+        logprob, entropy = head_logprobs(hidden, head.weight, tokens, temperature, *transform, with_entropy=with_entropy)
         if truncation is not None:
             truncated = truncated_logprobs(hidden, head.weight, tokens, temperature, *truncation, *transform)
     else:

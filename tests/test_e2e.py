@@ -255,7 +255,8 @@ def test_critic_free_estimators_train_without_a_critic(tmp_path, estimator):
 
 @pytest.mark.slow
 def test_critic_warmup_holds_the_actor_back_as_verl_counts(tmp_path):
-    """verl updates the actor once global_steps (from 1) >= critic_warmup: 2 skips step 1 only."""
+    """verl updates the actor once global_steps (from 1) >= critic_warmup: 2 skips step 1 only.
+    actor/entropy is logged at step 1 all the same: verl measures it in the old-log-prob pass."""
     out = tmp_path / "out"
     proc = run(tmp_path, f"--output_dir={out}", "--critic_warmup=2", "--total_training_steps=2", "--test_freq=-1",
                "--val_before_train=false", *FAST)
@@ -263,6 +264,7 @@ def test_critic_warmup_holds_the_actor_back_as_verl_counts(tmp_path):
     first, second = read_metrics(out)
     assert "critic/vf_loss" in first and "actor/pg_loss" not in first
     assert "actor/pg_loss" in second
+    assert first["actor/entropy"] > 0 and second["actor/entropy"] > 0
 
 
 @pytest.mark.slow

@@ -38,6 +38,29 @@ def test_scaled_and_soft_capped_logits_give_autograds_values_and_gradients(scale
         torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("cols", [16, 50])
+def test_without_the_entropy_the_log_probs_and_their_gradients_are_autograds(cols, monkeypatch):
+    """with_entropy=False (the update when no loss term reads the entropy): no entropy, and the
+    log-probs and the gradients of a loss on them are autograd's."""
+    monkeypatch.setattr(hl, "TILE_ROWS", 3)
+    monkeypatch.setattr(hl, "TILE_COLS", cols)
+    g = torch.Generator().manual_seed(1)
+    hidden = (3 * torch.randn(10, 16, generator=g)).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).requires_grad_()
+    tokens = torch.randint(0, 50, (10,), generator=g)
+    w_lp = torch.randn(10, generator=g)
+    results = []
+    for fn in (lambda: hl.head_logprobs(hidden, weight, tokens, 0.7, 0.5, 2.0, with_entropy=False),
+               lambda: autograd_reference(hidden, weight, tokens, 0.7, 0.5, 2.0)):
+        hidden.grad = weight.grad = None
+        logprob, entropy = fn()
+        (logprob * w_lp).sum().backward()
+        results.append((logprob.detach(), hidden.grad.clone(), weight.grad.clone(), entropy))
+    assert results[0][3] is None
+    for mine, ref in zip(results[0][:3], results[1][:3]):
+        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_chunks_go_by_rows_on_cuda_and_by_cache_on_cpu():
     assert hl.chunk_rows(151_936, "cuda") >= 1024          # Qwen2.5's vocabulary: 13 rows was the defect
     assert hl.chunk_rows(32_000, "cuda") >= 1024
