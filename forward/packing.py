@@ -70,6 +70,8 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         window = sliding_window if sliding_window is not None and sliding_window < n else None
         if extras:
             out.append(_attention_with_extras(q, k, v, scale, _band(n, window, q.device), softcap, s_aux, drop))
+        elif window is None and not drop and _reused(module, q):   # a checkpointed layer's: see reuse_attention
+            out.append(_ReusableAttention.apply(q, k, v, scale, (id(module), len(out))))
         else:   # SDPA's causal kernel where the window covers the sequence, a banded mask only where it bites
             mask = None if window is None else _band(n, window, q.device)
             out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop,
@@ -78,6 +80,58 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
 
 
 packed_attention = _attention   # what forward/ulysses.py runs on the whole row between its all-to-alls
+
+
+# Gradient checkpointing runs a layer's forward again in the backward pass, its attention kernel
+# included, though the kernel's backward needs only its output and log-sum-exp besides q, k and v
+# (which the layer's projections, cheap next to it, recompute). For the layers reuse_attention
+# names, the first forward keeps each sequence's output and log-sum-exp (hidden floats a token),
+# and the recompute takes them instead of running the kernel again: the same numbers, the
+# kernel's forward once instead of twice (CPU flash attention, causal, no dropout or window).
+_reuse = {"modules": frozenset(), "kept": {}}
+
+
+@contextmanager
+def reuse_attention(modules):
+    """While active, the packed attention of `modules` (the checkpointed layers' own) keeps its
+    outputs for their recompute; what was kept is dropped on leaving."""
+    before = _reuse["modules"]
+    _reuse["modules"] = frozenset(id(m) for m in modules)
+    try:
+        yield
+    finally:
+        _reuse["modules"] = before
+        _reuse["kept"].clear()
+
+
+def _reused(module, q) -> bool:
+    return (id(module) in _reuse["modules"] and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and torch.is_grad_enabled() and q.requires_grad)
+
+
+class _ReusableAttention(torch.autograd.Function):
+    """Causal attention of one sequence (CPU flash attention, what SDPA runs there). Outside the
+    backward pass (the first forward) the output and log-sum-exp are kept under `key` (module,
+    sequence); inside it (the checkpoint's recompute) they are taken back instead of computed."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, key):
+        kept = _reuse["kept"].pop(key, None) if torch._C._current_graph_task_id() != -1 else None
+        if kept is None or kept[0].shape != q.shape:
+            kept = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+            if torch._C._current_graph_task_id() == -1:
+                _reuse["kept"][key] = tuple(x.detach() for x in kept)   # other tensors: autograd marks the returned one
+        out, lse = kept
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.contiguous(), q, k, v, out, lse, 0.0, True, scale=ctx.scale)
+        return dq, dk, dv, None, None
 
 
 def _grouped_in_place(query, key, value, attention_mask, kwargs) -> bool:

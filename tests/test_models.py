@@ -55,6 +55,44 @@ def test_reward_model_reads_the_last_real_token_when_pad_is_eos(tmp_path):
     assert all(abs(a - b) > 1e-4 for a, b in zip(alone, before_eos))   # the two readings do differ
 
 
+def test_checkpointing_recomputes_all_layers_but_the_last_and_reuses_their_attention(tmp_path):
+    """gradient_checkpointing on a 3-layer model, packed micro-batch: the first two layers run
+    again in the backward pass, the last does not (its recompute would come first thing in the
+    backward); the recomputed layers take their attention outputs from the first forward, so the
+    attention kernel's forward runs once per layer and sequence; the gradients are those of no
+    checkpointing."""
+    import shutil
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from forward.readouts import response_logprobs
+    from modeling.loading import load_models, recompute_activations
+    from test_value_models import skewed_batch
+    model_dir = tmp_path / "three"
+    shutil.copytree(DEMO_MODEL, model_dir)
+    cfg = AutoConfig.from_pretrained(DEMO_MODEL, num_hidden_layers=3, layer_types=["full_attention"] * 3)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
+    _, _, batch = skewed_batch()
+    batch["input_ids"] %= cfg.vocab_size
+    batch["responses"] %= cfg.vocab_size
+    grads, calls, kernels = {}, {}, {}
+    for on in (False, True):
+        _, actor, *_ = load_models(config.Config(model_path=str(model_dir), gradient_checkpointing=on,
+                                                 adv_estimator="grpo", use_kl_in_reward=False))
+        runs = [0, 0, 0]
+        for i, layer in enumerate(actor.model.layers):
+            layer.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+        with torch.profiler.profile() as prof, recompute_activations(actor, on):
+            logprob, _ = response_logprobs(actor, batch, 1.0)
+            (logprob * batch["response_mask"]).sum().backward()
+        calls[on] = runs
+        kernels[on] = sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu")
+        grads[on] = [p.grad.clone() for p in actor.parameters()]
+    assert calls == {False: [1, 1, 1], True: [2, 2, 1]}
+    assert kernels[True] == kernels[False] == 3 * 4          # layers x sequences, recompute or not
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_gradient_checkpointing_keeps_fewer_activations_in_the_update_only_with_dropout_off():
     """gradient_checkpointing: inside recompute_activations the forward pass keeps far fewer
     tensors for the backward (the decoder layers' activations are recomputed instead) and the
