@@ -92,14 +92,15 @@ class Config:
     resume: str = opt("auto", "auto (newest complete checkpoint in output_dir/checkpoints) | never | a checkpoint path")
     malloc_mmap_threshold_mb: float = opt(0.0, "host blocks of this size and more go back to the OS when freed "
                                                "(glibc): less peak memory, slower steps (host_memory.py); 0 = freed blocks "
-                                               "stay for reuse (no page faults)")
+                                               "stay for reuse (no page faults); < 0 = glibc's own default")
     # guards
     kl_rollback_threshold: float = opt(0.0, "kl/mean above this reloads the last checkpoint with a lower actor lr; 0 = off")
     rollback_lr_factor: float = opt(0.5, "each rollback multiplies the actor's learning rate by this")
     max_rollbacks: int = opt(3, "give up (stop the run) after this many rollbacks")
     max_consecutive_skips: int = opt(5, "roll back after this many optimizer steps in a row skipped for a non-finite "
                                         "gradient norm; 0 = never")
-    entropy_warn_threshold: float = opt(0.01, "warn when actor/entropy falls below this (entropy collapse); 0 = off")
+    entropy_warn_threshold: float = opt(0.01, "warn when actor/entropy falls below this (entropy collapse; "
+                                               "aggregated as loss_agg_mode: per token with token-mean); 0 = off")
     entropy_floor: float = opt(0.0, "react to entropy collapse: when guard/entropy (the policy's entropy at "
                                     "`temperature`) falls below this, switch to entropy_floor_temperature and/or "
                                     "entropy_floor_coeff; 0 = off")
@@ -218,8 +219,9 @@ class Config:
     critic_ppo_epochs: typing.Optional[int] = opt(None, "critic: passes over each iteration's rollouts; None = ppo_epochs")
     critic_ppo_max_token_len_per_device: typing.Optional[int] = opt(
         None, "critic, use_dynamic_bsz: tokens per micro-batch; None = ppo_max_token_len_per_device")
-    gradient_checkpointing: bool = opt(False, "recompute the actor's activations in the backward pass instead of "
-                                              "keeping them: less memory, about a third more compute")
+    gradient_checkpointing: bool = opt(False, "recompute the actor's decoder layers (all but the last) in the backward "
+                                              "pass instead of keeping their activations: less memory, more compute "
+                                              "(a packed attention's outputs are kept, not recomputed)")
     critic_gradient_checkpointing: typing.Optional[bool] = opt(None, "the same for the critic; None = "
                                                                      "gradient_checkpointing")
     activation_offload: bool = opt(False, "with gradient checkpointing: the checkpointed layers' saved inputs wait in "
@@ -394,7 +396,6 @@ def validate_config(cfg: Config) -> None:
     need(not cfg.use_pf_ppo or cfg.adv_estimator == "gae",
          f"use_pf_ppo resamples GAE rollouts (as in verl): it needs adv_estimator=gae, got {cfg.adv_estimator!r}")
     need(cfg.clip_ratio_c > 1, f"clip_ratio_c must be > 1, got {cfg.clip_ratio_c}")
-    need(cfg.malloc_mmap_threshold_mb >= 0, f"malloc_mmap_threshold_mb must be >= 0, got {cfg.malloc_mmap_threshold_mb}")
     need(cfg.peak_tflops >= 0, f"peak_tflops must be >= 0 (0 = look the device up), got {cfg.peak_tflops}")
     need(cfg.kl_ctrl_type in kl.CONTROLLERS, f"kl_ctrl_type must be one of {sorted(kl.CONTROLLERS)}, got {cfg.kl_ctrl_type!r}")
     if cfg.use_kl_in_reward and cfg.kl_ctrl_type == "adaptive":

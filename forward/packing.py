@@ -70,8 +70,8 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
         window = sliding_window if sliding_window is not None and sliding_window < n else None
         if extras:
             out.append(_attention_with_extras(q, k, v, scale, _band(n, window, q.device), softcap, s_aux, drop))
-        elif window is None and not drop and _reused(module, q):   # a checkpointed layer's: see reuse_attention
-            out.append(_ReusableAttention.apply(q, k, v, scale, (id(module), len(out))))
+        elif window is None and not drop and _reused(q, k, v):   # in a checkpointed layer: see reuse_contexts
+            out.append(_ReusableAttention.apply(q, k, v, scale))
         else:   # SDPA's causal kernel where the window covers the sequence, a banded mask only where it bites
             mask = None if window is None else _band(n, window, q.device)
             out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop,
@@ -84,43 +84,50 @@ packed_attention = _attention   # what forward/ulysses.py runs on the whole row 
 
 # Gradient checkpointing runs a layer's forward again in the backward pass, its attention kernel
 # included, though the kernel's backward needs only its output and log-sum-exp besides q, k and v
-# (which the layer's projections, cheap next to it, recompute). For the layers reuse_attention
-# names, the first forward keeps each sequence's output and log-sum-exp (hidden floats a token),
-# and the recompute takes them instead of running the kernel again: the same numbers, the
-# kernel's forward once instead of twice (CPU flash attention, causal, no dropout or window).
-_reuse = {"modules": frozenset(), "kept": {}}
+# (which the layer's projections, cheap next to it, recompute). reuse_contexts is the checkpoint's
+# context_fn: each checkpointed call gets a store of its own; its first forward keeps each
+# sequence's attention output and log-sum-exp there (hidden floats a token), and its recompute
+# takes them back in the same order instead of running the kernel again. Same numbers, the
+# kernel's forward once instead of twice (CPU flash attention: causal, no dropout or window,
+# no autocast, q, k and v of one dtype and head size). A forward whose backward never comes (an
+# OOM retry) leaves its store to be freed with its graph; two forwards never share one.
+_store = None   # (the running checkpointed call's store, "keep" | "take"), or None
 
 
 @contextmanager
-def reuse_attention(modules):
-    """While active, the packed attention of `modules` (the checkpointed layers' own) keeps its
-    outputs for their recompute; what was kept is dropped on leaving."""
-    before = _reuse["modules"]
-    _reuse["modules"] = frozenset(id(m) for m in modules)
+def _using(store: list, mode: str):
+    global _store
+    before, _store = _store, (store, mode)
     try:
         yield
     finally:
-        _reuse["modules"] = before
-        _reuse["kept"].clear()
+        _store = before
 
 
-def _reused(module, q) -> bool:
-    return (id(module) in _reuse["modules"] and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and torch.is_grad_enabled() and q.requires_grad)
+def reuse_contexts():
+    """torch.utils.checkpoint's context_fn (non-reentrant): (the first forward's context, the recompute's)."""
+    store = []
+    return _using(store, "keep"), _using(store, "take")
+
+
+def _reused(q, k, v) -> bool:
+    return (_store is not None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype
+            and q.dtype in (torch.float32, torch.bfloat16) and q.shape[-1] == k.shape[-1] == v.shape[-1]
+            and not torch.is_autocast_enabled("cpu") and torch.is_grad_enabled() and q.requires_grad)
 
 
 class _ReusableAttention(torch.autograd.Function):
-    """Causal attention of one sequence (CPU flash attention, what SDPA runs there). Outside the
-    backward pass (the first forward) the output and log-sum-exp are kept under `key` (module,
-    sequence); inside it (the checkpoint's recompute) they are taken back instead of computed."""
+    """Causal attention of one sequence (CPU flash attention, what SDPA runs there), kept in the
+    checkpointed call's store in its first forward and taken back in its recompute."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, key):
-        kept = _reuse["kept"].pop(key, None) if torch._C._current_graph_task_id() != -1 else None
+    def forward(ctx, q, k, v, scale):
+        store, mode = _store
+        kept = store.pop(0) if mode == "take" and store else None
         if kept is None or kept[0].shape != q.shape:
             kept = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-            if torch._C._current_graph_task_id() == -1:
-                _reuse["kept"][key] = tuple(x.detach() for x in kept)   # other tensors: autograd marks the returned one
+            if mode == "keep":
+                store.append(tuple(x.detach() for x in kept))   # other tensors: autograd marks the returned one
         out, lse = kept
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
@@ -131,7 +138,7 @@ class _ReusableAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad.contiguous(), q, k, v, out, lse, 0.0, True, scale=ctx.scale)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None
 
 
 def _grouped_in_place(query, key, value, attention_mask, kwargs) -> bool:

@@ -131,7 +131,8 @@ def load_models(cfg: Config):
                 console.note(f"the chunked LM head is off for {type(_unwrap(model)).__name__}: {why}")
     for model, on in ((actor, cfg.gradient_checkpointing), (critic, critic_checkpointing(cfg))):
         if model is not None and on:   # armed here, active only inside recompute_activations()
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                               "context_fn": packing.reuse_contexts})
     return tokenizer, actor, critic, ref, reward_model
 
 
@@ -172,7 +173,8 @@ def recompute_activations(model, on: bool, offload: bool = False):
     peak at most the head's work in between (the LM head's blocks, the loss), which the dry-run
     estimate counts beside one layer's full set anyway; recomputing them cost W5's 4-layer models
     a quarter of the recompute (about 28 ms of a 1.14 s actor micro-batch). The recompute of the
-    others takes their packed attention's outputs from the first forward (packing.reuse_attention)."""
+    others takes their packed attention's outputs from the first forward (packing.reuse_contexts,
+    armed with the checkpointing at load)."""
     if not on:
         yield
         return
@@ -184,8 +186,7 @@ def recompute_activations(model, on: bool, offload: bool = False):
         if offload:
             layer._gradient_checkpointing_func = _offloaded_checkpoint
     try:
-        with packing.reuse_attention([m for layer in layers for m in layer.modules()]):
-            yield
+        yield
     finally:
         for layer, func in zip(layers, saved):
             layer.training = False
@@ -203,7 +204,7 @@ def _offloaded_checkpoint(layer_call, *args):
 
     def on_device(*inputs):
         return layer_call(*[x.to(device, non_blocking=True) if torch.is_tensor(x) else x for x in inputs])
-    return checkpoint(on_device, *host, use_reentrant=False)
+    return checkpoint(on_device, *host, use_reentrant=False, context_fn=packing.reuse_contexts)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",

@@ -2,6 +2,7 @@
 
     host_memory.set_malloc(0)    # the default: freed blocks stay in the process for reuse
     host_memory.set_malloc(4)    # blocks of 4 MiB and more go back to the OS when freed
+    host_memory.set_malloc(-1)   # glibc's own adaptive default
 
 PyTorch's CPU tensors come from malloc. By default glibc gives a request above its mmap threshold
 its own mapping, unmapped when freed, and raises the threshold to the size of each mapped block
@@ -33,7 +34,10 @@ LARGEST_THRESHOLD_MB = 32                     # glibc's upper limit for M_MMAP_T
 
 def set_malloc(threshold_mb: float) -> bool:
     """threshold_mb > 0: blocks of that many MiB and more go back to the OS when freed; 0: freed
-    blocks stay for reuse (see above). -> whether glibc took the setting."""
+    blocks stay for reuse (see above); < 0: glibc's own default, untouched. -> whether glibc took
+    a setting."""
+    if threshold_mb < 0:
+        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

@@ -13,7 +13,7 @@ The figures are estimates of the largest terms, stated per component so they can
   max_response_length) kept for the backward pass, per decoder layer and token: about
   6 x hidden + 2 x kv width + 4 x intermediate values, plus on CPU 2 x heads x length attention
   scores (PyTorch's CPU attention keeps them; the GPU's fused kernels do not); with gradient checkpointing only each layer's input, plus
-  one layer's full set. The logits of a micro-batch (response positions only x vocabulary, fp32)
+  one layer's full set (and on CPU each checkpointed layer's attention output, which the recompute reuses). The logits of a micro-batch (response positions only x vocabulary, fp32)
   three times over: the logits, the softmax's workspace, their gradient. With Ulysses sequence
   parallelism (ulysses_sequence_parallel_size = sp) each rank holds 1/sp of every sequence's
   positions, and its attention all heads / sp over the whole sequence: activations and logits / sp.
@@ -139,6 +139,8 @@ def rows_for(plan: Plan, world: int) -> list[tuple[str, float, str]]:
         per_layer = tokens * (6 * m.hidden + 2 * m.kv_width + 4 * m.intermediate + scores) * act_b
         full = per_layer * m.layers
         ckpt = tokens * m.hidden * act_b * m.layers + per_layer
+        if not plan.gpu_bytes:   # on CPU the checkpointed layers' packed attention outputs wait for the recompute too
+            ckpt += tokens * (m.hidden * act_b + 4 * m.heads) * (m.layers - 1)
         full, ckpt = full / plan.sp, ckpt / plan.sp   # each rank: 1/sp of the positions (all heads / sp of them)
         rows.append((f"{name} activations, one micro-batch" + (" (checkpointed)" if ckpt_on else "") + split,
                      ckpt if ckpt_on else full, device))

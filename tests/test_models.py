@@ -55,12 +55,14 @@ def test_reward_model_reads_the_last_real_token_when_pad_is_eos(tmp_path):
     assert all(abs(a - b) > 1e-4 for a, b in zip(alone, before_eos))   # the two readings do differ
 
 
-def test_checkpointing_recomputes_all_layers_but_the_last_and_reuses_their_attention(tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_checkpointing_recomputes_all_layers_but_the_last_and_reuses_their_attention(tmp_path, dtype):
     """gradient_checkpointing on a 3-layer model, packed micro-batch: the first two layers run
     again in the backward pass, the last does not (its recompute would come first thing in the
     backward); the recomputed layers take their attention outputs from the first forward, so the
     attention kernel's forward runs once per layer and sequence; the gradients are those of no
-    checkpointing."""
+    checkpointing. Under bf16 autocast (q, k and v of different dtypes in some families) the
+    attention is recomputed, and the gradients still match at bf16's precision."""
     import shutil
     from transformers import AutoConfig, AutoModelForCausalLM
     from forward.readouts import response_logprobs
@@ -76,19 +78,22 @@ def test_checkpointing_recomputes_all_layers_but_the_last_and_reuses_their_atten
     batch["responses"] %= cfg.vocab_size
     grads, calls, kernels = {}, {}, {}
     for on in (False, True):
-        _, actor, *_ = load_models(config.Config(model_path=str(model_dir), gradient_checkpointing=on,
-                                                 adv_estimator="grpo", use_kl_in_reward=False))
+        cfg_run = config.Config(model_path=str(model_dir), gradient_checkpointing=on, adv_estimator="grpo",
+                                use_kl_in_reward=False, dtype=dtype)
+        _, actor, *_ = load_models(cfg_run)
         runs = [0, 0, 0]
         for i, layer in enumerate(actor.model.layers):
             layer.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
-        with torch.profiler.profile() as prof, recompute_activations(actor, on):
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+        with torch.profiler.profile() as prof, recompute_activations(actor, on), autocast:
             logprob, _ = response_logprobs(actor, batch, 1.0)
             (logprob * batch["response_mask"]).sum().backward()
         calls[on] = runs
         kernels[on] = sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_dot_product_flash_attention_for_cpu")
         grads[on] = [p.grad.clone() for p in actor.parameters()]
     assert calls == {False: [1, 1, 1], True: [2, 2, 1]}
-    assert kernels[True] == kernels[False] == 3 * 4          # layers x sequences, recompute or not
+    # layers x sequences, recompute or not (under autocast the two recomputed layers run it again)
+    assert kernels[True] == kernels[False] + (2 * 4 if dtype == "bf16" else 0) == 3 * 4 + (2 * 4 if dtype == "bf16" else 0)
     for a, b in zip(grads[False], grads[True]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
