@@ -594,10 +594,13 @@ def forward_passes(run: Run, batch: dict, temperature: float) -> torch.Tensor:
     micro, max_tokens = run.oom.size("log_prob")
     passes = dict(size=micro, max_tokens=max_tokens, agree=max_over_ranks(accelerator))
     truncation = (cfg.top_k, cfg.top_p) if cfg.top_k > 0 or cfg.top_p < 1 else None
-    # the old log-probs with the entropy (actor/entropy, as verl measures it) and, where the samplers
-    # report log-probs of a cut distribution (top_k / top_p), the actor's of the same, from one pass
-    outs = forward_in_micro_batches(agreed(lambda mb: torch.stack(response_logprobs(
-        run.actor, mb, temperature, with_entropy=True, truncation=truncation), dim=-1)), batch, **passes)   # [b, R, 2 or 3]
+
+    def actor_pass(mb):
+        """-> [b, r, 2 or 3]: the old log-probs, their entropy (actor/entropy, as verl measures it)
+        and, where the samplers report log-probs of a cut distribution (top_k / top_p), the actor's
+        of the same, from one pass."""
+        return torch.stack(response_logprobs(run.actor, mb, temperature, with_entropy=True, truncation=truncation), dim=-1)
+    outs = forward_in_micro_batches(agreed(actor_pass), batch, **passes)                 # [b, R, 2 or 3]
     batch["old_logprob"], batch["old_entropy"] = outs[..., 0].contiguous(), outs[..., 1].contiguous()
     actor_sampling = batch["old_logprob"] if truncation is None else outs[..., 2].contiguous()
     if run.ref is not None:
