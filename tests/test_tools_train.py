@@ -254,20 +254,22 @@ def test_tool_tokens_carry_no_reward_kl_or_advantage(rolled_out):
         assert scores[row].nonzero().flatten().tolist() == [last_model]
     tool_tokens = (mask == 0) & (batch["attention_mask"][:, -R:] == 1)
     torch.manual_seed(2)
-    base = dict(old_logprob=-torch.rand(2, R), ref_logprob=-torch.rand(2, R), values=torch.randn(2, R))
+    base = dict(old_logprob=-torch.rand(2, R), ref_logprob=-torch.rand(2, R), values=torch.randn(2, R),
+                old_entropy=torch.rand(2, R))
 
     def advantages(spoil):
         b = {**batch, **{k: v.clone() for k, v in base.items()}}
         if spoil:
             for key in base:
                 b[key][tool_tokens] = 1e3
-        train_ppo.rewards_and_advantages(tool_config(kl_coef=0.1), Accelerator(cpu=True),
-                                         kl.make_kl_controller("fixed", 0.1, 0.1, 10000), b, scores,
-                                         torch.arange(2), torch.ones(2, dtype=torch.bool))
-        return b["advantages"], b["returns"]
+        metrics = train_ppo.rewards_and_advantages(tool_config(kl_coef=0.1), Accelerator(cpu=True),
+                                                   kl.make_kl_controller("fixed", 0.1, 0.1, 10000), b, scores,
+                                                   torch.arange(2), torch.ones(2, dtype=torch.bool))
+        return b["advantages"], b["returns"], metrics["actor/entropy"]
 
-    (adv, ret), (adv_spoiled, ret_spoiled) = advantages(False), advantages(True)
+    (adv, ret, entropy), (adv_spoiled, ret_spoiled, entropy_spoiled) = advantages(False), advantages(True)
     assert torch.allclose(adv[mask > 0], adv_spoiled[mask > 0]) and torch.allclose(ret[mask > 0], ret_spoiled[mask > 0])
+    assert entropy == pytest.approx(entropy_spoiled, rel=1e-6) and 0 < entropy < 1   # the tool tokens' entropy counts nowhere
     assert adv[mask > 0].abs().sum() > 0
 
 
