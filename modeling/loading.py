@@ -165,8 +165,10 @@ def acausal(model, path: str = "", atol: float = 1e-5):
 def recompute_activations(model, on: bool, offload: bool = False):
     """Gradient checkpointing for the length of an update. Hugging Face checkpoints a decoder layer
     only when that layer is in training mode, and every model here stays in eval mode (dropout
-    off), so only the layers' own flag is raised meanwhile; their submodules, dropout included,
-    stay in eval. offload (activation_offload): what a checkpointed layer keeps for its backward,
+    off), so only the layers' own flag is raised meanwhile, and only where Hugging Face reads it:
+    the layer's forward itself runs with the flag down again (_in_eval), because some families
+    (OPT, BioGPT, XGLM, CTRL, GPT, GPT-NeoX-Japanese) apply dropout in the layer's own forward by
+    that flag; their submodules, dropout included, stay in eval. offload (activation_offload): what a checkpointed layer keeps for its backward,
     its inputs, waits in CPU memory and goes back to the device when the layer is recomputed.
     Every layer but the last: the backward starts with the last layer, so its recompute would
     rebuild, first thing, the activations its forward had just let go. Kept, they add to the
@@ -181,17 +183,36 @@ def recompute_activations(model, on: bool, offload: bool = False):
     from transformers.modeling_layers import GradientCheckpointingLayer
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)][:-1]
     saved = [layer.__dict__.get("_gradient_checkpointing_func") for layer in layers]
+    forwards = [layer.__dict__.get("forward") for layer in layers]
     for layer in layers:
         layer.training = True
+        layer.forward = _in_eval(layer)
         if offload:
             layer._gradient_checkpointing_func = _offloaded_checkpoint
     try:
         yield
     finally:
-        for layer, func in zip(layers, saved):
+        for layer, func, forward in zip(layers, saved, forwards):
             layer.training = False
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
             if offload:
                 layer._gradient_checkpointing_func = func
+
+
+def _in_eval(layer):
+    """layer's forward run with its training flag down (the checkpoint's first forward and its recompute)."""
+    forward = layer.forward
+
+    def run(*args, **kwargs):
+        was, layer.training = layer.training, False
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            layer.training = was
+    return run
 
 
 def _offloaded_checkpoint(layer_call, *args):

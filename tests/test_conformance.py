@@ -130,6 +130,25 @@ def test_actor_and_ref_log_probs_match_the_models_own_forward(model_type, saved,
 @pytest.mark.parametrize("model_type", [t if t in FAST else pytest.param(t, marks=pytest.mark.slow)
                                         for t in model_registry.families()
                                         if t not in loading.REFUSED and t not in model_registry.ACAUSAL])
+def test_checkpointed_update_gives_the_models_own_log_probs_and_gradients(model_type, saved, monkeypatch):
+    """gradient_checkpointing as the update runs it (recompute_activations: every layer but the
+    last recomputed, a recomputed layer's packed attention outputs reused from its first forward),
+    packed: log-probs and gradients equal the model's own eager forward on each sequence alone
+    (dropout stays off also in families whose layers apply it by their own training flag)."""
+    from modeling.loading import recompute_activations
+    cfg = Config(model_path=str(saved(model_type)), adv_estimator="grpo", use_kl_in_reward=False, remove_padding=True,
+                 gradient_checkpointing=True)
+    if not model_registry.build(model_type).supports_gradient_checkpointing:
+        pytest.skip(f"{model_type} does not support gradient checkpointing (transformers refuses it)")
+    _, actor, _, _, _ = load_models(cfg)
+    monkeypatch.setattr(packing, "worth_it", lambda batch, min_saving=0.1: True)
+    with recompute_activations(actor, True):
+        check(actor, eager_twin(actor), 1.0)
+
+
+@pytest.mark.parametrize("model_type", [t if t in FAST else pytest.param(t, marks=pytest.mark.slow)
+                                        for t in model_registry.families()
+                                        if t not in loading.REFUSED and t not in model_registry.ACAUSAL])
 def test_hf_engine_samples_from_the_models_own_distribution(model_type, saved):
     """The hf engine's decoding (left-padded rows, its in-place KV cache, grouped KV heads read in
     place, the head as weight @ hidden^T) against the model's own forward on each whole sequence."""
