@@ -129,7 +129,11 @@ def load_models(cfg: Config):
             _unwrap(model).head_transform = transform
             if why and model is actor:
                 console.note(f"the chunked LM head is off for {type(_unwrap(model)).__name__}: {why}")
-    for model, on in ((actor, cfg.gradient_checkpointing), (critic, critic_checkpointing(cfg))):
+    for key, model, on in (("gradient_checkpointing", actor, cfg.gradient_checkpointing),
+                           ("critic_gradient_checkpointing", critic, critic_checkpointing(cfg))):
+        if model is not None and on and not _unwrap(model).supports_gradient_checkpointing:
+            raise UserError(f"{key}=true: {type(_unwrap(model)).__name__} does not support gradient checkpointing "
+                            f"(transformers refuses it); set {key}=false")
         if model is not None and on:   # armed here, active only inside recompute_activations()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
                                                                                "context_fn": packing.reuse_contexts})

@@ -138,8 +138,11 @@ def test_checkpointed_update_gives_the_models_own_log_probs_and_gradients(model_
     from modeling.loading import recompute_activations
     cfg = Config(model_path=str(saved(model_type)), adv_estimator="grpo", use_kl_in_reward=False, remove_padding=True,
                  gradient_checkpointing=True)
-    if not model_registry.build(model_type).supports_gradient_checkpointing:
-        pytest.skip(f"{model_type} does not support gradient checkpointing (transformers refuses it)")
+    if not model_registry.build(model_type).supports_gradient_checkpointing:   # refused at load, in one line
+        with pytest.raises(UserError, match=r"^gradient_checkpointing=true: \w+ does not support gradient "
+                                            r"checkpointing \(transformers refuses it\); set gradient_checkpointing=false$"):
+            load_models(cfg)
+        return
     _, actor, _, _, _ = load_models(cfg)
     monkeypatch.setattr(packing, "worth_it", lambda batch, min_saving=0.1: True)
     with recompute_activations(actor, True):
