@@ -124,6 +124,10 @@ class _HeadLogprobs(torch.autograd.Function):
             h, tok = hidden[s:s + rows], tokens[s:s + rows]
             g_lp = None if grad_logprob is None else grad_logprob[s:s + rows, None]            # [r, 1]
             g_ent = None if grad_entropy is None else grad_entropy[s:s + rows, None]
+            if g_ent is None and ctx.softcap is None:
+                _logprob_grads(h, w, tok, lse[s:s + rows, None], g_lp, cols, t, dtype, ctx.scale,
+                               grad_hidden[s:s + rows] if need_h else None, grad_weight if need_w else None)
+                continue
             for j, v0 in enumerate(range(0, weight.shape[0], cols)):
                 wb = w[v0:v0 + cols]
                 gz = _grad_logits(_logits(h, wb, t, dtype, ctx.scale, ctx.softcap), lse[s:s + rows, None],
@@ -135,6 +139,31 @@ class _HeadLogprobs(torch.autograd.Function):
                     _accumulate(grad_weight[v0:v0 + cols], gz.t(), h.to(dtype))
         return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
                 None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None, None)
+
+
+def _logprob_grads(h, w, tokens, lse, g_lp, cols: int, t: float, dtype, scale: float, grad_hidden, grad_weight):
+    """The gradients of the log-prob alone (no entropy in the loss, no soft-cap) from one block of
+    rows h [r, H], added to grad_hidden [r, H] and grad_weight [V, H] (either None: not wanted).
+    d loss / d (h W^T) = a (onehot - p) with a = g_lp scale / t per row, so the per-element work
+    on each tile is the softmax alone: a scales the [r, H] sums once, and the onehot's part is
+    W[token] (for hidden) and a h added at the tokens' rows (for weight), once per row block."""
+    a = g_lp * (scale / t)                                                                # [r, 1]
+    ah = h.float() * a                                                                    # [r, H]
+    minus_ah = (-ah).to(dtype)
+    p_w = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if grad_hidden is not None else None   # sum p W
+    for v0 in range(0, w.shape[0], cols):
+        wb = w[v0:v0 + cols]
+        p = _logits(h, wb, t, dtype, scale).sub_(lse).exp_().to(dtype)                  # [r, c] softmax
+        if p_w is not None:
+            _accumulate(p_w, p, wb)
+        if grad_weight is not None:
+            _accumulate(grad_weight[v0:v0 + cols], p.t(), minus_ah)
+    vocab = tokens.new_tensor(w.shape[0])
+    inside = (tokens >= 0) & (tokens < vocab)                                           # a token past the vocabulary: no onehot
+    if grad_hidden is not None:
+        grad_hidden += a * (w[tokens.clamp(0, w.shape[0] - 1)].float() * inside[:, None] - p_w)
+    if grad_weight is not None:
+        grad_weight.index_add_(0, tokens[inside], ah[inside])
 
 
 def _in_block(tokens, cols: int, j: int, vocab: int):

@@ -39,24 +39,29 @@ def test_scaled_and_soft_capped_logits_give_autograds_values_and_gradients(scale
 
 
 @pytest.mark.parametrize("cols", [16, 50])
-def test_without_the_entropy_the_log_probs_and_their_gradients_are_autograds(cols, monkeypatch):
+@pytest.mark.parametrize("softcap", [2.0, None])      # None: the backward's log-prob-only path (_logprob_grads)
+@pytest.mark.parametrize("weight_grad", [True, False])   # False: a frozen head (LoRA), only hidden's gradient
+def test_without_the_entropy_the_log_probs_and_their_gradients_are_autograds(cols, softcap, weight_grad, monkeypatch):
     """with_entropy=False (the update when no loss term reads the entropy): no entropy, and the
-    log-probs and the gradients of a loss on them are autograd's."""
+    log-probs and the gradients of a loss on them are autograd's; a token repeated in the batch
+    adds its rows' parts to the same row of the weight's gradient."""
     monkeypatch.setattr(hl, "TILE_ROWS", 3)
     monkeypatch.setattr(hl, "TILE_COLS", cols)
     g = torch.Generator().manual_seed(1)
     hidden = (3 * torch.randn(10, 16, generator=g)).requires_grad_()
-    weight = torch.randn(50, 16, generator=g).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).requires_grad_(weight_grad)
     tokens = torch.randint(0, 50, (10,), generator=g)
+    tokens[4:7] = torch.tensor([49, 49, 0])   # the same token twice (one row block and the next), the first one
     w_lp = torch.randn(10, generator=g)
     results = []
-    for fn in (lambda: hl.head_logprobs(hidden, weight, tokens, 0.7, 0.5, 2.0, with_entropy=False),
-               lambda: autograd_reference(hidden, weight, tokens, 0.7, 0.5, 2.0)):
+    for fn in (lambda: hl.head_logprobs(hidden, weight, tokens, 0.7, 0.5, softcap, with_entropy=False),
+               lambda: autograd_reference(hidden, weight, tokens, 0.7, 0.5, softcap)):
         hidden.grad = weight.grad = None
         logprob, entropy = fn()
         (logprob * w_lp).sum().backward()
-        results.append((logprob.detach(), hidden.grad.clone(), weight.grad.clone(), entropy))
+        results.append((logprob.detach(), hidden.grad.clone(), weight.grad, entropy))
     assert results[0][3] is None
+    assert (results[0][2] is None) == (not weight_grad)
     for mine, ref in zip(results[0][:3], results[1][:3]):
         torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
 
