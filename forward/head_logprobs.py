@@ -144,26 +144,23 @@ class _HeadLogprobs(torch.autograd.Function):
 def _logprob_grads(h, w, tokens, lse, g_lp, cols: int, t: float, dtype, scale: float, grad_hidden, grad_weight):
     """The gradients of the log-prob alone (no entropy in the loss, no soft-cap) from one block of
     rows h [r, H], added to grad_hidden [r, H] and grad_weight [V, H] (either None: not wanted).
-    d loss / d (h W^T) = a (onehot - p) with a = g_lp scale / t per row, so the per-element work
-    on each tile is the softmax alone: a scales the [r, H] sums once, and the onehot's part is
-    W[token] (for hidden) and a h added at the tokens' rows (for weight), once per row block."""
+    d loss / d (h W^T) = -a (p - onehot) with a = g_lp scale / t per row, so the per-element work
+    on each tile is p - onehot alone, made in fp32 before any rounding to a 16-bit compute dtype
+    (for a confident token p is close to 1); the factor a scales the [r, H] sides once."""
     a = g_lp * (scale / t)                                                                # [r, 1]
-    ah = h.float() * a                                                                    # [r, H]
-    minus_ah = (-ah).to(dtype)
-    p_w = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if grad_hidden is not None else None   # sum p W
-    for v0 in range(0, w.shape[0], cols):
+    minus_ah = (-a * h.float()).to(dtype) if grad_weight is not None else None            # [r, H]
+    q_w = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if grad_hidden is not None else None   # sum q W
+    minus_one = torch.tensor(-1.0, device=h.device)
+    for j, v0 in enumerate(range(0, w.shape[0], cols)):
         wb = w[v0:v0 + cols]
-        p = _logits(h, wb, t, dtype, scale).sub_(lse).exp_().to(dtype)                  # [r, c] softmax
-        if p_w is not None:
-            _accumulate(p_w, p, wb)
-        if grad_weight is not None:
-            _accumulate(grad_weight[v0:v0 + cols], p.t(), minus_ah)
-    vocab = tokens.new_tensor(w.shape[0])
-    inside = (tokens >= 0) & (tokens < vocab)                                           # a token past the vocabulary: no onehot
+        q = _logits(h, wb, t, dtype, scale).sub_(lse).exp_()                             # [r, c] softmax
+        q = q.index_put_(_in_block(tokens, cols, j, w.shape[0]), minus_one, accumulate=True).to(dtype)   # p - onehot
+        if q_w is not None:
+            _accumulate(q_w, q, wb)
+        if minus_ah is not None:
+            _accumulate(grad_weight[v0:v0 + cols], q.t(), minus_ah)
     if grad_hidden is not None:
-        grad_hidden += a * (w[tokens.clamp(0, w.shape[0] - 1)].float() * inside[:, None] - p_w)
-    if grad_weight is not None:
-        grad_weight.index_add_(0, tokens[inside], ah[inside])
+        grad_hidden -= a * q_w
 
 
 def _in_block(tokens, cols: int, j: int, vocab: int):

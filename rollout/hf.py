@@ -209,12 +209,13 @@ class Sampler(LogitsProcessor):
     and leaves only it: generate()'s argmax then picks it. One uniform number per row through
     the inverse CDF (exponentials in fp32, their running sums in float64), where
     torch.multinomial, which generate() samples with, draws an exponential number for every
-    vocabulary entry: with a 32k vocabulary that was 40% of the generation time on a CPU. The same distribution either way. Row k's numbers come from its own
+    vocabulary entry: with a 32k vocabulary that was 40% of the generation time on a CPU. The
+    same distribution either way (up to fp32 rounding). Row k's numbers come from its own
     generator, seeded with (seed, keys[k]): a response's draws depend on the call's seed and its
     place in the batch, not on which rows share its call (micro-batches, a split over ranks). The
     seed comes from torch's RNG (by default), so a checkpoint's saved RNG state replays it.
-    (Transformers' own sampling also adds a top_k of 50
-    when top_k is unset; here unset means the whole vocabulary, as in vLLM.)
+    (Transformers' own sampling also adds a top_k of 50 when top_k is unset; here unset means the
+    whole vocabulary, as in vLLM.)
     It keeps the log-prob of each drawn token under the distribution it was drawn from
     (renormalised over the kept tokens, as vLLM's processed_logprobs): logprobs() -> [b, steps]."""
 
@@ -244,7 +245,7 @@ class Sampler(LogitsProcessor):
         drawn = (weights.gather(-1, token).double() / cdf[:, -1:]).log().squeeze(-1)   # [b] kept, renormalised
         for row, logprob in zip(self._alive, drawn.float().tolist()):
             self._drawn[row].append(logprob)
-        out = scores.new_full(scores.shape, float("-inf"))                            # contiguous: generate()'s argmax reads it
+        out = scores.new_full(scores.shape, float("-inf"))                       # contiguous, for generate()'s argmax
         return out.scatter_(-1, token, 0.0)
 
     def keep(self, stay: list[int]) -> None:

@@ -51,7 +51,7 @@ def test_without_the_entropy_the_log_probs_and_their_gradients_are_autograds(col
     hidden = (3 * torch.randn(10, 16, generator=g)).requires_grad_()
     weight = torch.randn(50, 16, generator=g).requires_grad_(weight_grad)
     tokens = torch.randint(0, 50, (10,), generator=g)
-    tokens[4:7] = torch.tensor([49, 49, 0])   # the same token twice (one row block and the next), the first one
+    tokens[3:7] = torch.tensor([49, 49, 49, 0])   # the same token in rows of one block (3-5) and the next, the first one
     w_lp = torch.randn(10, generator=g)
     results = []
     for fn in (lambda: hl.head_logprobs(hidden, weight, tokens, 0.7, 0.5, softcap, with_entropy=False),
@@ -64,6 +64,34 @@ def test_without_the_entropy_the_log_probs_and_their_gradients_are_autograds(col
     assert (results[0][2] is None) == (not weight_grad)
     for mine, ref in zip(results[0][:3], results[1][:3]):
         torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_under_bf16_a_confident_tokens_gradient_keeps_its_one_minus_p(monkeypatch):
+    """Under bf16 autocast the log-prob-only backward rounds p - onehot, not p: for a token the
+    model is sure of (p near 1, where bf16's steps are 2^-8) rounding p first loses 1 - p, the
+    whole gradient of that row. Against float64 autograd through the forward's own bf16 logits."""
+    monkeypatch.setattr(hl, "TILE_ROWS", 3)
+    monkeypatch.setattr(hl, "TILE_COLS", 16)
+    g = torch.Generator().manual_seed(2)
+    hidden = (3 * torch.randn(64, 16, generator=g)).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).requires_grad_()
+    with torch.no_grad():
+        p = (hidden @ weight.t()).softmax(-1)
+    tokens, p_token = p.argmax(-1), p.amax(-1)
+    sure = (p_token > 0.99) & (p_token < 0.9999)     # beyond 0.9999 the gradient is below bf16's resolution
+    assert sure.sum() >= 5
+    w_lp = torch.randn(64, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprob, _ = hl.head_logprobs(hidden, weight, tokens, with_entropy=False)
+    (logprob * w_lp).sum().backward()
+    h64 = hidden.detach().bfloat16().double().requires_grad_()
+    w64 = weight.detach().bfloat16().double().requires_grad_()
+    z = h64 @ w64.t()
+    z = z + (z.bfloat16().double() - z).detach()     # the bf16 logits the forward made, differentiated exactly
+    (torch.log_softmax(z, -1).gather(1, tokens[:, None]).squeeze(1) * w_lp.double()).sum().backward()
+    error = (hidden.grad.double() - h64.grad).norm(dim=-1) / h64.grad.norm(dim=-1)   # [64] per row
+    assert error[sure].max() < 0.05, error[sure]      # p rounded first: 0.5-1.3
+    assert (weight.grad.double() - w64.grad).norm() / w64.grad.norm() < 0.02
 
 
 def test_chunks_go_by_rows_on_cuda_and_by_cache_on_cpu():
