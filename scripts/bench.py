@@ -25,11 +25,12 @@ What it does, in order:
   4. per workload, alternates `--repeats` times: ours (train_ppo.py --config configs/<w>.yaml), then the
      peer (scripts/bench_trl_peer.py, reading the config.yaml ours wrote, so both run the same values),
      each as its own process, one at a time; the peak RSS of each is its rusage from wait4;
-  5. prints per side: the median iteration time over iterations 2..N (pooled over repeats), the median of
-     each phase, the peak RSS (median over repeats) and the import baseline, then ours/peer ratios; also
-     the mean reward and the last iteration's per-token KL of each side, and a warning when other
-     processes used the CPU during a run (measured from /proc/stat: such timings are meaningless); for W5
-     also the mean response length of each side and the growth table;
+  5. prints per side: the median iteration time over iterations 2..N (pooled over repeats; with several
+     repeats also each repeat's own, the machine's drift between them shows), the median of each phase,
+     the peak RSS (median over repeats) and the import baseline, then ours/peer ratios; also the mean
+     reward and the last iteration's per-token KL of each side, and a warning when other processes used
+     the CPU during a run (measured from /proc/stat: such timings are meaningless); for W5 also the mean
+     response length of each side and the growth table;
   6. ours logs perf/mfu against this machine's fp32 matmul peak, measured first (the fastest of 80
      matmuls of transformer shapes on all cores; a CPU has no datasheet figure that PyTorch reaches),
      passed as --peak_tflops; its medians are printed with the rest.
@@ -208,7 +209,9 @@ def summarize(runs: list[dict], phases: tuple, baseline: float) -> dict:
                "phases": {p: median([it.get(f"time/{p}_s", 0.0) for it in later]) for p in phases},
                "peak_rss_gb": median([r["peak_rss_gb"] for r in runs]),
                "import_rss_gb": baseline, "wall_s": median([r["wall_s"] for r in runs]),
-               "n_iterations": len(later), "other_busy_cores": max(r["other_busy_cores"] for r in runs)}
+               "n_iterations": len(later), "other_busy_cores": max(r["other_busy_cores"] for r in runs),
+               # each repeat's own median: the machine's drift between repeats shows beside the pooled one
+               "repeat_step_s": [median([it["time/step_s"] for it in r["iterations"][1:]]) for r in runs]}
     summary["score_mean"] = statistics.fmean([it.get("reward/score_mean", float("nan")) for r in runs
                                               for it in r["iterations"]])
     summary["kl_last"] = median([r["iterations"][-1].get("kl/mean", float("nan")) for r in runs if r["iterations"]])
@@ -234,6 +237,9 @@ def report(name: str, ours: dict, peer: dict, fixed_length: bool = True) -> None
           f"ours, {peer['n_iterations']} TRL)")
     print(f"  {'':<30} {'ours':>9} {'TRL 1.12':>9} {'':<3} {'ours/TRL':>8}")
     row("iteration time", ours["step_s"], peer["step_s"], "s")
+    if len(ours["repeat_step_s"]) > 1:   # repeat k: ours' k-th run and the peer's run after it
+        for k, (a, b) in enumerate(zip(ours["repeat_step_s"], peer["repeat_step_s"]), 1):
+            row(f"  repeat {k}", a, b, "s")
     for phase in ("gen", "score", "forward", "update"):
         row(f"  {phase}", ours["phases"][phase], peer["phases"][phase], "s")
     row("  sync", ours["phases"]["sync"], None, "s")
