@@ -133,3 +133,32 @@ def test_head_logprobs_equals_log_softmax_in_values_and_gradients(temperature, w
     torch.testing.assert_close(entropy, want_ent, rtol=1e-5, atol=1e-5)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("value_head", [16, 12])
+def test_attention_reuse_is_kept_only_for_equal_head_sizes(value_head):
+    """In a checkpointed layer's first forward the packed attention keeps each sequence's output
+    for the recompute (forward/packing.py reuse_contexts), through the CPU flash kernel, which
+    takes one head size for q, k and v. MLA families (DeepSeek-V2/V3) give v another; their tiny
+    registry configs do not, so here by hand: such a layer runs SDPA and keeps nothing, with
+    SDPA's output and gradients, where equal sizes keep one entry per sequence."""
+    import types
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 8, 16, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, 8, 16, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, 8, value_head, generator=g, requires_grad=True)
+    module = types.SimpleNamespace(num_key_value_groups=1, training=True)
+    keep, _ = packing.reuse_contexts()
+    with keep:
+        store = packing._store[0]
+        out, _ = packing._attention(module, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 5, 8]))
+    assert len(store) == (2 if value_head == 16 else 0)
+    expected = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+                          for a, b in ((0, 5), (5, 8))], dim=2).transpose(1, 2)              # [1, T, h, d]
+    torch.testing.assert_close(out, expected)
+    w = torch.randn(expected.shape, generator=g)
+    mine = torch.autograd.grad((out * w).sum(), (q, k, v))
+    theirs = torch.autograd.grad((expected * w).sum(), (q, k, v))
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
