@@ -131,12 +131,14 @@ def load_models(cfg: Config):
                 console.note(f"the chunked LM head is off for {type(_unwrap(model)).__name__}: {why}")
     for key, model, on in (("gradient_checkpointing", actor, cfg.gradient_checkpointing),
                            ("critic_gradient_checkpointing", critic, critic_checkpointing(cfg))):
-        if model is not None and on and not _unwrap(model).supports_gradient_checkpointing:
+        if model is None or not on:
+            continue
+        if not _unwrap(model).supports_gradient_checkpointing:
             raise UserError(f"{key}=true: {type(_unwrap(model)).__name__} does not support gradient checkpointing "
                             f"(transformers refuses it); set {key}=false")
-        if model is not None and on:   # armed here, active only inside recompute_activations()
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                               "context_fn": packing.reuse_contexts})
+        # armed here, active only inside recompute_activations()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                           "context_fn": packing.reuse_contexts})
     return tokenizer, actor, critic, ref, reward_model
 
 
@@ -172,8 +174,9 @@ def recompute_activations(model, on: bool, offload: bool = False):
     off), so only the layers' own flag is raised meanwhile, and only where Hugging Face reads it:
     the layer's forward itself runs with the flag down again (_in_eval), because some families
     (OPT, BioGPT, XGLM, CTRL, GPT, GPT-NeoX-Japanese) apply dropout in the layer's own forward by
-    that flag; their submodules, dropout included, stay in eval. offload (activation_offload): what a checkpointed layer keeps for its backward,
-    its inputs, waits in CPU memory and goes back to the device when the layer is recomputed.
+    that flag; their submodules, dropout included, stay in eval. offload (activation_offload): what
+    a checkpointed layer keeps for its backward, its inputs, waits in CPU memory and goes back to
+    the device when the layer is recomputed.
     Every layer but the last: the backward starts with the last layer, so its recompute would
     rebuild, first thing, the activations its forward had just let go. Kept, they add to the
     peak at most the head's work in between (the LM head's blocks, the loss), which the dry-run

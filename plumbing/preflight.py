@@ -13,7 +13,8 @@ The figures are estimates of the largest terms, stated per component so they can
   max_response_length) kept for the backward pass, per decoder layer and token: about
   6 x hidden + 2 x kv width + 4 x intermediate values, plus on CPU 2 x heads x length attention
   scores (PyTorch's CPU attention keeps them; the GPU's fused kernels do not); with gradient checkpointing only each layer's input, plus
-  one layer's full set (and on CPU each checkpointed layer's attention output, which the recompute reuses). The logits of a micro-batch (response positions only x vocabulary, fp32)
+  one layer's full set (and on CPU each checkpointed layer's attention output, which the
+  recompute reuses). The logits of a micro-batch (response positions only x vocabulary, fp32)
   three times over: the logits, the softmax's workspace, their gradient. With Ulysses sequence
   parallelism (ulysses_sequence_parallel_size = sp) each rank holds 1/sp of every sequence's
   positions, and its attention all heads / sp over the whole sequence: activations and logits / sp.
