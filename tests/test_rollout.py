@@ -238,22 +238,36 @@ def test_engine_that_cannot_start_says_why_and_what_to_change(tiny, tmp_path):
     (dict(temperature=1.0), 5), (dict(temperature=2.0), 5), (dict(temperature=0.5), 5),
     (dict(temperature=1.0, top_k=2), 2), (dict(temperature=1.0, top_p=0.7), 2), (dict(temperature=1.0, top_p=0.85), 3),
 ])
-def test_hf_sampler_draws_from_the_tempered_distribution_cut_as_asked(params, allowed):
+# the six tokens' places in the vocabulary: a vocabulary smaller than one of the inverse CDF's
+# blocks, and one of several blocks (not a whole number of them) where the tokens lie at blocks'
+# edges, with whole blocks of zero probability between and after them
+@pytest.mark.parametrize("vocab, places", [(6, range(6)), (1000, [511, 256, 255, 999, 0, 700])])
+def test_hf_sampler_draws_from_the_tempered_distribution_cut_as_asked(params, allowed, vocab, places):
     """The hf engine's Sampler: each row keeps exactly one token, drawn with the probability of
     softmax(logits / T) renormalised over the top_k / top_p set; tokens outside it never come."""
     from rollout.hf import Sampler
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.0])
+    places = list(places)
+    logits = torch.full((vocab,), float("-inf"))
+    logits[places] = probs.log()
     draws = 40000
-    out = Sampler(SamplingParams(**params))(None, probs.log().repeat(draws, 1))
-    assert ((out == 0).sum(-1) == 1).all() and (out.isinf().sum(-1) == 5).all()
-    counts = torch.bincount(out.argmax(-1), minlength=6).double()
+    sampler = Sampler(SamplingParams(**params))
+    out = sampler(None, logits.repeat(draws, 1))
+    assert ((out == 0).sum(-1) == 1).all() and (out.isinf().sum(-1) == vocab - 1).all()
+    counts = torch.bincount(out.argmax(-1), minlength=vocab).double()
+    assert counts.sum() == counts[places].sum()                       # nothing outside the six
+    counts = counts[places]
     want = probs.double() ** (1 / params["temperature"])
     want[allowed:] = 0
     want /= want.sum()
     sigma = (draws * want * (1 - want)).sqrt()
     assert (counts[allowed:] == 0).all()
     assert ((counts - draws * want).abs() <= 5 * sigma + 1).all(), (counts / draws, want)
+    # each draw's log-prob is its token's under the distribution it was drawn from
+    drawn = torch.tensor(sampler.logprobs()).squeeze(-1)
+    chosen = torch.tensor([places.index(t) for t in out.argmax(-1).tolist()])
+    assert torch.allclose(drawn.double(), want[chosen].log(), rtol=1e-6, atol=1e-6)
 
 
 def test_hf_engine_samples_the_whole_vocabulary(tmp_path):
