@@ -144,20 +144,26 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                         _, at_config = response_logprobs(actor, micro, cfg.temperature, with_entropy=True)
                     done.add({"guard/entropy": masked_mean(at_config, m).item()})
                 guard = cfg.entropy_floor and epoch == 0 and temperature == cfg.temperature
-                with autocast():   # the entropy only where the loss or the guard reads it
+
+                def actor_loss(logprob, entropy):   # a sum of per-token terms -> (loss, pg, pg_stats, kl_loss)
+                    pg, pg_stats = policy_loss(micro["old_logprob"], logprob, micro["advantages"], m, low, high,
+                                               cfg.clip_ratio_c, cfg.loss_agg_mode, micro.get("is_weights"), **norms)
+                    loss, kl_loss = pg, None
+                    if entropy_coeff:
+                        loss = loss - entropy_coeff * agg_loss(entropy, m, cfg.loss_agg_mode, **norms)
+                    if cfg.use_kl_loss:
+                        kl_loss = agg_loss(kl.kl_penalty(logprob, micro["ref_logprob"], cfg.kl_loss_type), m,
+                                           cfg.loss_agg_mode, **norms)
+                        loss = loss + cfg.kl_loss_coef * kl_loss
+                    return loss, pg, pg_stats, kl_loss
+                with autocast():   # the entropy only where the loss or the guard reads it; the head differentiates the loss
                     logprob, entropy = response_logprobs(actor, micro, temperature, with_entropy=bool(entropy_coeff) or guard,
-                                                         entropy_grad=entropy_coeff != 0)
+                                                         entropy_grad=entropy_coeff != 0,
+                                                         loss_of=lambda lp, ent: actor_loss(lp, ent)[0])
                 if guard:
                     done.add({"guard/entropy": masked_mean(entropy.detach(), m).item()})
-                pg, pg_stats = policy_loss(micro["old_logprob"], logprob, micro["advantages"], m, low, high,
-                                           cfg.clip_ratio_c, cfg.loss_agg_mode, micro.get("is_weights"), **norms)
-                loss = pg
-                if entropy_coeff:
-                    loss = loss - entropy_coeff * agg_loss(entropy, m, cfg.loss_agg_mode, **norms)
+                loss, pg, pg_stats, kl_loss = actor_loss(logprob, entropy)
                 if cfg.use_kl_loss:
-                    kl_loss = agg_loss(kl.kl_penalty(logprob, micro["ref_logprob"], cfg.kl_loss_type), m,
-                                       cfg.loss_agg_mode, **norms)
-                    loss = loss + cfg.kl_loss_coef * kl_loss
                     loss_total["actor/kl_loss"] += kl_loss.item()
             with oom.agreed("actor"):
                 backward(actor, loss, ds)

@@ -15,7 +15,7 @@ from forward.head_logprobs import head_logprobs, support_logprobs, truncated_log
 
 
 def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool = False,
-                      entropy_grad: bool = False, truncation: tuple[int, float] | None = None):
+                      entropy_grad: bool = False, truncation: tuple[int, float] | None = None, loss_of=None):
     """Log-prob (and entropy) of each response token under `model` -> [B, R] each; with
     truncation=(top_k, top_p) also, third, the log-prob under the distribution a sampler with those
     settings draws from (cut and renormalised, no grad), from the same forward pass.
@@ -26,7 +26,10 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     that cannot be done (a head with a bias or an adapter, other post-processing of the logits, or
     ZeRO-3, whose partitioned weight exists only inside the head's own forward) the logits are made
     and reduced one sequence at a time. The entropy builds a graph only when it is part of the loss
-    (entropy_grad)."""
+    (entropy_grad).
+    loss_of(logprob, entropy) -> the loss these feed, where it is a sum of per-token terms (PPO's
+    update): given, the chunked head makes that loss's gradients in its forward pass, while each
+    block's logits are there (head_logprobs' grad_of: one matmul against the vocabulary less)."""
     if ulysses.size() > 1:
         return _sharded_logprobs(model, batch, temperature, with_entropy, entropy_grad, truncation)
     B, R = batch["responses"].shape
@@ -48,7 +51,10 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     if fused:
         hidden = captured[0].reshape(-1, captured[0].shape[-1])                   # [n, H] packed, [B * R, H] padded
         hidden = hidden if packed is not None else hidden[real]                   # [n, H]
-        logprob, entropy = head_logprobs(hidden, head.weight, tokens, temperature, *transform, with_entropy=with_entropy)
+        grad_of = None if loss_of is None or not torch.is_grad_enabled() else \
+            _grads_by_rows(loss_of, real, (B, R), with_entropy, entropy_grad)
+        logprob, entropy = head_logprobs(hidden, head.weight, tokens, temperature, *transform, with_entropy=with_entropy,
+                                         grad_of=grad_of)
         logprob = spread(logprob, real).view(B, R)
         if with_entropy:
             entropy = spread(entropy if entropy_grad else entropy.detach(), real).view(B, R)
@@ -78,6 +84,30 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     with torch.no_grad():
         truncated = put([support_logprobs(_scaled(z, temperature), t, *truncation) for z, t in rows])
     return logprob, entropy, truncated
+
+
+def _grads_by_rows(loss_of, real, shape: tuple[int, int], with_entropy: bool, entropy_grad: bool):
+    """head_logprobs' grad_of for loss_of, a sum of per-token terms: the loss of one block of rows'
+    log-probs (and entropies) in place, zeros elsewhere, differentiated; the other rows' values
+    do not reach those rows' gradients. The same ops as the loss the update then builds, so the
+    same numbers, which the head's backward checks."""
+    n = int(real.sum())
+
+    def grad_of(start: int, stop: int, logprob, entropy):
+        with torch.enable_grad():
+            lp = logprob.new_zeros(n)
+            lp[start:stop] = logprob
+            lp.requires_grad_()
+            ent = None
+            if with_entropy:
+                ent = logprob.new_zeros(n)
+                ent[start:stop] = entropy
+                ent.requires_grad_(entropy_grad)
+            loss = loss_of(spread(lp, real).view(shape), None if ent is None else spread(ent, real).view(shape))
+            wrt = [lp, ent] if entropy_grad else [lp]
+            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        return tuple(None if g is None else g[start:stop] for g in grads) + (None,) * (2 - len(grads))
+    return grad_of
 
 
 def _head_input(model):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import model_registry
-from forward import packing
+from forward import head_logprobs, packing
 from modeling import loading
 from errors import UserError
 from config import Config
@@ -45,10 +45,10 @@ def reference(model, temperature: float, prompts=PROMPTS, responses=RESPONSES):
     return logprobs, entropies
 
 
-def fast(model, temperature: float):
+def fast(model, temperature: float, loss_of=None):
     """The same through response_logprobs on the padded micro-batch -> lists of [r]."""
     batch = pack_batch(PROMPTS, RESPONSES, pad_id=0)
-    logprob, entropy = response_logprobs(model, batch, temperature, with_entropy=True)    # [B, R]
+    logprob, entropy = response_logprobs(model, batch, temperature, with_entropy=True, loss_of=loss_of)    # [B, R]
     return ([row[:len(r)] for row, r in zip(logprob, RESPONSES) if r],
             [row[:len(r)].detach() for row, r in zip(entropy, RESPONSES) if r])
 
@@ -61,11 +61,12 @@ def eager_twin(model):
     return twin.eval()
 
 
-def check(model, twin, temperature: float, whole_grad=None):
+def check(model, twin, temperature: float, whole_grad=None, loss_of=None):
     """whole_grad(p) -> parameter p's whole gradient (default p.grad; a split pass leaves each rank
-    of its group a part: tests/ulysses_registry_worker.py sums them)."""
+    of its group a part: tests/ulysses_registry_worker.py sums them). loss_of: handed to
+    response_logprobs, as the update does (the sum of the log-probs, which the backward runs)."""
     lp_ref, ent_ref = reference(twin, temperature)
-    lp, ent = fast(model, temperature)
+    lp, ent = fast(model, temperature, loss_of)
     for a, b in zip(lp, lp_ref):
         torch.testing.assert_close(a.detach(), b.detach(), **TOL)
     for a, b in zip(ent, ent_ref):
@@ -145,8 +146,13 @@ def test_checkpointed_update_gives_the_models_own_log_probs_and_gradients(model_
         return
     _, actor, _, _, _ = load_models(cfg)
     monkeypatch.setattr(packing, "worth_it", lambda batch, min_saving=0.1: True)
-    with recompute_activations(actor, True):
-        check(actor, eager_twin(actor), 1.0)
+    made_again = []   # per row block of the chunked head: whether its logits were made again in the backward
+    original = head_logprobs._row_block_grads
+    monkeypatch.setattr(head_logprobs, "_row_block_grads", lambda *args, **kwargs: made_again.append(
+        kwargs.get("logits", args[14] if len(args) > 14 else None) is None) or original(*args, **kwargs))
+    with recompute_activations(actor, True):   # the loss handed to the head, as the update does: its gradients
+        check(actor, eager_twin(actor), 1.0, loss_of=lambda logprob, entropy: logprob.sum())   # made in its forward
+    assert not any(made_again)
 
 
 @pytest.mark.parametrize("model_type", [t if t in FAST else pytest.param(t, marks=pytest.mark.slow)

@@ -1,8 +1,12 @@
 """head_logprobs reproduces models whose logits are post-processed after the LM head (scaled,
 soft-capped), values and gradients, and sizes its chunks by rows on CUDA (issue 19)."""
+import copy
+
 import pytest
 import torch
 
+from config import Config
+from core_algos import LOSS_AGG_MODES
 from forward import head_logprobs as hl
 
 
@@ -102,3 +106,122 @@ def test_chunks_go_by_rows_on_cuda_and_by_cache_on_cpu():
     assert hl.blocks(151_936, "cuda") == (hl.chunk_rows(151_936, "cuda"), 151_936)   # whole rows on GPUs
     rows, cols = hl.blocks(151_936, "cpu")
     assert rows * cols * 4 <= 4 << 20                      # a CPU tile's fp32 logits stay in cache
+
+
+def _counting_recomputes(monkeypatch) -> list:
+    """Patches head_logprobs' row-block gradients to record, per call, whether it made its logits again."""
+    calls, original = [], hl._row_block_grads
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("logits", args[14] if len(args) > 14 else None) is None)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(hl, "_row_block_grads", counted)
+    return calls
+
+
+@pytest.mark.parametrize("cols", [16, 50])
+@pytest.mark.parametrize("softcap, entropy_grad", [(None, False), (None, True), (2.0, False), (2.0, True)])
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_gradients_made_in_the_forward_are_the_backwards(cols, softcap, entropy_grad, weight_grad, monkeypatch):
+    """grad_of (a loss that is a sum of per-row terms, PPO's update): the gradients made in the
+    forward from each row block's kept logits are the ones the backward would make, with no logits
+    made again; a loss other than the one grad_of described falls back to the recompute and still
+    gets its own gradients."""
+    monkeypatch.setattr(hl, "TILE_ROWS", 3)
+    monkeypatch.setattr(hl, "TILE_COLS", cols)
+    calls = _counting_recomputes(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    hidden = (3 * torch.randn(10, 16, generator=g)).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).requires_grad_(weight_grad)
+    tokens = torch.randint(0, 50, (10,), generator=g)
+    tokens[3:7] = torch.tensor([49, 49, 49, 0])
+    old, w_ent = -3 * torch.rand(10, generator=g), torch.randn(10, generator=g)
+
+    def per_row(lp, ent, old=old):   # nonlinear in the log-prob, clipped in places (zero gradient there)
+        loss = torch.clamp((lp - old).exp(), 0.8, 1.2).sum() + (lp - old).square().sum()
+        return loss + (ent * w_ent).sum() if entropy_grad else loss
+
+    def grad_of(start, stop, lp, ent):
+        lp = lp.clone().requires_grad_()
+        ent = ent.clone().requires_grad_() if entropy_grad else None
+        with torch.enable_grad():
+            rows = slice(start, stop)
+            loss = torch.clamp((lp - old[rows]).exp(), 0.8, 1.2).sum() + (lp - old[rows]).square().sum()
+            if entropy_grad:
+                loss = loss + (ent * w_ent[rows]).sum()
+            grads = torch.autograd.grad(loss, [lp, ent] if entropy_grad else [lp])
+        return grads[0], grads[1] if entropy_grad else None
+
+    def run(given, loss_old=old):
+        hidden.grad = weight.grad = None
+        calls.clear()
+        logprob, entropy = hl.head_logprobs(hidden, weight, tokens, 0.7, 0.5, softcap, with_entropy=entropy_grad,
+                                            grad_of=given)
+        made_in_forward = len(calls)
+        per_row(logprob, entropy, loss_old).backward()
+        return (logprob.detach(), hidden.grad.clone(), None if weight.grad is None else weight.grad.clone(),
+                made_in_forward, sum(calls[made_in_forward:]))
+
+    fused, plain, other = run(grad_of), run(None), run(grad_of, loss_old=old + 0.3)
+    assert fused[3] == 4 and fused[4] == 0             # 4 row blocks, all in the forward, none made again
+    assert plain[3] == 0 and plain[4] == 4
+    assert other[3] == 4 and other[4] == 4             # the loss that came was not grad_of's: recomputed
+    for mine, ref in zip(fused[:3], plain[:3]):
+        torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)
+    reference = run(None, loss_old=old + 0.3)
+    for mine, ref in zip(other[:3], reference[:3]):
+        torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)
+    assert (fused[2] is None) == (not weight_grad)
+
+
+@pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("use_kl_loss, entropy_coeff", [(False, 0.0), (True, 0.01)])
+def test_the_update_makes_its_loss_gradients_in_the_heads_forward(loss_agg_mode, use_kl_loss, entropy_coeff,
+                                                                 monkeypatch):
+    """update_actor hands its loss to the head (response_logprobs' loss_of): for every aggregation,
+    with the KL loss and the entropy bonus or without, no row block makes its logits again in the
+    backward, and the gradients are those of the update without it."""
+    import train_ppo
+    from accelerate import Accelerator
+    from contextlib import nullcontext
+    from forward import readouts
+    from forward.batch import pack_batch
+    from plumbing.oom import OomReaction, base_sizes
+    import model_registry
+    monkeypatch.setattr(hl, "TILE_ROWS", 8)            # several row blocks a micro-batch
+    calls = _counting_recomputes(monkeypatch)
+    prompts = [[5 + (7 * i) % 200 for i in range(n)] for n in (3, 21, 9, 4)]
+    responses = [[9 + (11 * i) % 200 for i in range(n)] for n in (17, 2, 12, 30)]
+    batch = pack_batch(prompts, responses, pad_id=0)
+    g = torch.Generator().manual_seed(4)
+    mask = batch["response_mask"]
+    batch["old_logprob"] = -6 + 0.3 * torch.randn(mask.shape, generator=g)      # ratios far from 1: clipped in places
+    batch["ref_logprob"] = -6 + 0.3 * torch.randn(mask.shape, generator=g)
+    batch["advantages"] = torch.randn(mask.shape, generator=g) * mask
+    cfg = Config(train_batch_size=4, rollout_n=1, ppo_mini_batch_size=4, ppo_micro_batch_size_per_device=2,
+                 ppo_epochs=1, max_response_length=30, loss_agg_mode=loss_agg_mode, use_kl_loss=use_kl_loss,
+                 kl_loss_type="low_var_kl", max_grad_norm=1e9)
+    model = model_registry.build("qwen2")
+
+    def update():
+        actor = copy.deepcopy(model).train()
+        grads = {}
+        optim = torch.optim.SGD(actor.parameters(), lr=0.0)
+        step = optim.step
+        optim.step = lambda *a, **k: grads.update({n: p.grad.clone() for n, p in actor.named_parameters()}) or step()
+        calls.clear()
+        accelerator = Accelerator(cpu=True)
+        stats = train_ppo.update_actor(accelerator, actor, optim, batch, cfg, nullcontext, False,
+                                       entropy_coeff=entropy_coeff, max_grad_norm=cfg.max_grad_norm,
+                                       oom=OomReaction(accelerator, base_sizes(cfg), cfg.max_oom_retries))
+        return grads, stats, list(calls)
+
+    fused, fused_stats, fused_calls = update()
+    monkeypatch.setattr(readouts, "_grads_by_rows", lambda *args: None)      # the head as before: no loss_of
+    plain, plain_stats, plain_calls = update()
+    assert len(fused_calls) == len(plain_calls) >= 4 and not any(fused_calls) and all(plain_calls)
+    assert fused_stats["actor/pg_clipfrac"] > 0
+    for key in plain_stats:
+        assert fused_stats[key] == pytest.approx(plain_stats[key], rel=1e-6, abs=1e-9), key
+    for name, grad in plain.items():
+        torch.testing.assert_close(fused[name], grad, rtol=1e-5, atol=1e-8, msg=lambda m: f"{name}: {m}")
