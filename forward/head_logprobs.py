@@ -22,7 +22,7 @@ row (grad_of), the extra matmul goes: the forward keeps a row block's logits, bl
 they are made, until the log-prob and entropy of those rows, and so the loss's gradient there,
 are known, turns them into the gradients of hidden and weight, and lets them go; the backward
 checks that the gradient that comes is that one, bit for bit, and hands them on. One row
-block's logits live at a time ([rows, V] fp32: 64 MB for 512 rows of a 32k vocabulary); W5's
+block's logits live at a time (on CPUs up to KEPT_ELEMENTS: 512 rows of a 32k vocabulary); W5's
 head (1,376 rows x 32,768 x 256) forward and backward took 667 -> 501 ms.
 
 Gradients flow from the log-prob and, when it is part of the loss, from the entropy:
@@ -37,6 +37,8 @@ is each token's log-prob under the distribution a top_k / top_p sampler draws fr
 sampling_support, renormalised), in the same chunks: what the rollout engines report, to compare
 with them like for like.
 """
+import warnings
+
 import torch
 
 CHUNK_ELEMENTS = 1 << 22    # truncated_logprobs' whole rows on CPUs: 4M floats (16 MB), e.g. 128 rows of a 32k vocabulary
@@ -46,6 +48,9 @@ CHUNK_ELEMENTS = 1 << 22    # truncated_logprobs' whole rows on CPUs: 4M floats 
 # (1,400 tokens x 32,768 x 256) took 320 -> 200 ms forward, 820 -> 630 ms forward and backward
 TILE_ROWS = 512
 TILE_COLS = 1024
+# with grad_of a CPU row block's logits are kept until its gradients are made: at most 64 MB of
+# them (all of TILE_ROWS = 512 rows of a 32k vocabulary, 110 rows of Qwen's 152k)
+KEPT_ELEMENTS = 1 << 24
 # on GPUs a chunk is a matmul: too few rows leave the device idle (13 rows of a 152k vocabulary
 # cost one kernel launch and one full read of the [V, H] weight each), so chunks go by rows,
 # at least CUDA_MIN_ROWS, up to 256M logits (1 GB in fp32; a few such buffers live at once), and
@@ -68,6 +73,13 @@ def blocks(vocab: int, device_type: str) -> tuple[int, int]:
     return chunk_rows(vocab, device_type), vocab
 
 
+def kept_rows(vocab: int, device_type: str) -> int:
+    """Rows of a block whose logits head_logprobs keeps for grad_of: on CPUs TILE_ROWS, fewer where
+    that would keep more than KEPT_ELEMENTS logits; on GPUs a chunk (its logits are made at once anyway)."""
+    rows = blocks(vocab, device_type)[0]
+    return max(1, min(rows, KEPT_ELEMENTS // vocab)) if device_type == "cpu" else rows
+
+
 def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap, with_entropy: bool, keep=None):
     """h [r, H] -> (logprob, entropy, lse) [r] each, the vocabulary `cols` at a time. Per row it
     carries the largest logit so far m, total = sum exp(z - m) and spread = sum exp(z - m) (z - m),
@@ -87,7 +99,7 @@ def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap, wit
             z = z - m[:, None]
         else:
             z = z.sub_(m[:, None])
-        e = z.exp()
+        e = z.exp() if with_entropy else z.exp_()                                  # z - m is read again for the spread
         if top is None:
             total, spread = e.sum(-1), (e * z).sum(-1) if with_entropy else None
         else:
@@ -112,8 +124,9 @@ class _HeadLogprobs(torch.autograd.Function):
         lse = hidden.new_empty(n, dtype=torch.float32)
         w = weight.to(compute_dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        fused = grad_of is not None and (need_h or need_w)
+        fused = grad_of is not None and (need_h or need_w) and n > 0
         if fused:   # the gradients made here, from each row block's logits while they exist (see head_logprobs)
+            rows = kept_rows(weight.shape[0], hidden.device.type)
             grads = _zero_grads(hidden, weight, need_h, need_w)
             expected = [], []                                                      # the d loss / d output each block assumed
         for s in range(0, n, rows):
@@ -130,7 +143,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 if g_lp is not None or g_ent is not None:
                     _row_block_grads(h, w, tok, lse[s:s + rows, None], entropy[s:s + rows, None] if with_entropy else None,
                                      _column(g_lp), _column(g_ent), cols, temperature, compute_dtype, scale, softcap,
-                                     grads[0][s:s + rows] if need_h else None, grads[1], keep)
+                                     grads[0][s:s + rows] if need_h else None, grads[1], logits=keep)
         ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
         ctx.temperature, ctx.compute_dtype, ctx.scale, ctx.softcap = temperature, compute_dtype, scale, softcap
         ctx.made = (grads, *(None if not e or e[0] is None else torch.cat(e) for e in expected)) if fused else None
@@ -147,6 +160,10 @@ class _HeadLogprobs(torch.autograd.Function):
         if made is not None and _same(grad_logprob, made[1]) and _same(grad_entropy, made[2]):
             grad_hidden, grad_weight = made[0]                                     # what the forward assumed came
         else:
+            if made is not None:
+                made = None                                                        # not held beside the recompute's
+                warnings.warn("head_logprobs: the loss's gradient was not the one grad_of described: the LM head's "
+                              "gradients were made again (correct, at the cost of the work grad_of saves)")
             n = hidden.shape[0]
             rows, cols = blocks(weight.shape[0], hidden.device.type)
             w = weight.to(dtype)
@@ -175,7 +192,9 @@ def _column(g):
 
 def _same(got, assumed) -> bool:
     """Whether the gradient that came is, bit for bit, the one the forward assumed (None: none)."""
-    return got is None and assumed is None or got is not None and assumed is not None and torch.equal(got, assumed)
+    if got is None or assumed is None:
+        return got is assumed
+    return torch.equal(got, assumed)
 
 
 def _row_block_grads(h, w, tokens, lse, entropy, g_lp, g_ent, cols: int, t: float, dtype, scale, softcap,

@@ -52,7 +52,7 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
         hidden = captured[0].reshape(-1, captured[0].shape[-1])                   # [n, H] packed, [B * R, H] padded
         hidden = hidden if packed is not None else hidden[real]                   # [n, H]
         grad_of = None if loss_of is None or not torch.is_grad_enabled() else \
-            _grads_by_rows(loss_of, real, (B, R), with_entropy, entropy_grad)
+            _grads_by_rows(loss_of, real, tokens.shape[0], (B, R), with_entropy, entropy_grad)
         logprob, entropy = head_logprobs(hidden, head.weight, tokens, temperature, *transform, with_entropy=with_entropy,
                                          grad_of=grad_of)
         logprob = spread(logprob, real).view(B, R)
@@ -86,13 +86,11 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     return logprob, entropy, truncated
 
 
-def _grads_by_rows(loss_of, real, shape: tuple[int, int], with_entropy: bool, entropy_grad: bool):
+def _grads_by_rows(loss_of, real, n: int, shape: tuple[int, int], with_entropy: bool, entropy_grad: bool):
     """head_logprobs' grad_of for loss_of, a sum of per-token terms: the loss of one block of rows'
     log-probs (and entropies) in place, zeros elsewhere, differentiated; the other rows' values
     do not reach those rows' gradients. The same ops as the loss the update then builds, so the
-    same numbers, which the head's backward checks."""
-    n = int(real.sum())
-
+    same numbers, which the head's backward checks. n: the head's rows (real's True places)."""
     def grad_of(start: int, stop: int, logprob, entropy):
         with torch.enable_grad():
             lp = logprob.new_zeros(n)
@@ -106,7 +104,7 @@ def _grads_by_rows(loss_of, real, shape: tuple[int, int], with_entropy: bool, en
             loss = loss_of(spread(lp, real).view(shape), None if ent is None else spread(ent, real).view(shape))
             wrt = [lp, ent] if entropy_grad else [lp]
             grads = torch.autograd.grad(loss, wrt, allow_unused=True)
-        return tuple(None if g is None else g[start:stop] for g in grads) + (None,) * (2 - len(grads))
+        return tuple(None if g is None else g[start:stop].clone() for g in grads) + (None,) * (2 - len(grads))
     return grad_of
 
 

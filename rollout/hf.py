@@ -260,7 +260,9 @@ class Sampler(LogitsProcessor):
         # whole CDF_BLOCKs, the entries past the vocabulary of zero weight
         z = scores.new_empty(b, -(-vocab // CDF_BLOCK) * CDF_BLOCK, dtype=torch.float32)   # [b, V']
         z[:, vocab:] = float("-inf")
-        logits = torch.div(scores, self.temperature, out=z[:, :vocab])
+        logits = z[:, :vocab].copy_(scores)                                            # fp32 whatever the scores' dtype
+        if self.temperature != 1.0:
+            logits.div_(self.temperature)
         if self.top_p < 1.0 or 0 < self.top_k < vocab:
             logits.masked_fill_(~sampling_support(logits, self.top_k, self.top_p), float("-inf"))
         weights = z.sub_(z.amax(-1, keepdim=True)).exp_()                             # [b, V'] fp32, 0 where cut

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import model_registry
-from forward import head_logprobs, packing
+from forward import packing, readouts
 from modeling import loading
 from errors import UserError
 from config import Config
@@ -22,6 +22,7 @@ from forward.readouts import response_logprobs
 from modeling.loading import load_models
 from rollout import SamplingParams
 from rollout.hf import HFEngine
+from test_head_fidelity import counting_recomputes
 
 PROMPTS = [[5 + (7 * i) % 200 for i in range(n)] for n in (3, 21, 9, 1)]
 RESPONSES = [[9 + (11 * i) % 200 for i in range(n)] for n in (7, 2, 12, 1)]
@@ -146,13 +147,13 @@ def test_checkpointed_update_gives_the_models_own_log_probs_and_gradients(model_
         return
     _, actor, _, _, _ = load_models(cfg)
     monkeypatch.setattr(packing, "worth_it", lambda batch, min_saving=0.1: True)
-    made_again = []   # per row block of the chunked head: whether its logits were made again in the backward
-    original = head_logprobs._row_block_grads
-    monkeypatch.setattr(head_logprobs, "_row_block_grads", lambda *args, **kwargs: made_again.append(
-        kwargs.get("logits", args[14] if len(args) > 14 else None) is None) or original(*args, **kwargs))
+    made_again = counting_recomputes(monkeypatch)   # per row block of the chunked head
     with recompute_activations(actor, True):   # the loss handed to the head, as the update does: its gradients
         check(actor, eager_twin(actor), 1.0, loss_of=lambda logprob, entropy: logprob.sum())   # made in its forward
-    assert not any(made_again)
+    _, _, chunked, _, hook = readouts._head_input(actor)
+    if hook is not None:
+        hook.remove()
+    assert bool(made_again) == chunked and not any(made_again)   # where the head is chunked, all in the forward
 
 
 @pytest.mark.parametrize("model_type", [t if t in FAST else pytest.param(t, marks=pytest.mark.slow)

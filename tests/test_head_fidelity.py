@@ -1,13 +1,20 @@
 """head_logprobs reproduces models whose logits are post-processed after the LM head (scaled,
 soft-capped), values and gradients, and sizes its chunks by rows on CUDA (issue 19)."""
 import copy
+from contextlib import nullcontext
 
 import pytest
 import torch
+from accelerate import Accelerator
 
+import model_registry
+import train_ppo
 from config import Config
 from core_algos import LOSS_AGG_MODES
 from forward import head_logprobs as hl
+from forward import readouts
+from forward.batch import pack_batch
+from plumbing.oom import OomReaction, base_sizes
 
 
 def autograd_reference(hidden, weight, tokens, temperature, scale, softcap):
@@ -106,30 +113,35 @@ def test_chunks_go_by_rows_on_cuda_and_by_cache_on_cpu():
     assert hl.blocks(151_936, "cuda") == (hl.chunk_rows(151_936, "cuda"), 151_936)   # whole rows on GPUs
     rows, cols = hl.blocks(151_936, "cpu")
     assert rows * cols * 4 <= 4 << 20                      # a CPU tile's fp32 logits stay in cache
+    assert hl.kept_rows(32_768, "cpu") == hl.TILE_ROWS      # grad_of keeps a row block's logits: W5's whole block,
+    assert 0 < hl.kept_rows(151_936, "cpu") * 151_936 <= hl.KEPT_ELEMENTS < hl.TILE_ROWS * 151_936   # fewer rows
+    assert hl.kept_rows(151_936, "cuda") == hl.chunk_rows(151_936, "cuda")                            # of a large one
 
 
-def _counting_recomputes(monkeypatch) -> list:
-    """Patches head_logprobs' row-block gradients to record, per call, whether it made its logits again."""
+def counting_recomputes(monkeypatch) -> list:
+    """Patches head_logprobs' row-block gradients to record, per call, whether it made its logits
+    again (the backward's recompute) rather than take those its forward kept (grad_of)."""
     calls, original = [], hl._row_block_grads
 
     def counted(*args, **kwargs):
-        calls.append(kwargs.get("logits", args[14] if len(args) > 14 else None) is None)
+        calls.append(kwargs.get("logits") is None)
         return original(*args, **kwargs)
     monkeypatch.setattr(hl, "_row_block_grads", counted)
     return calls
 
 
-@pytest.mark.parametrize("cols", [16, 50])
+@pytest.mark.parametrize("cols, bf16", [(16, False), (50, False), (16, True)])
 @pytest.mark.parametrize("softcap, entropy_grad", [(None, False), (None, True), (2.0, False), (2.0, True)])
 @pytest.mark.parametrize("weight_grad", [True, False])
-def test_gradients_made_in_the_forward_are_the_backwards(cols, softcap, entropy_grad, weight_grad, monkeypatch):
+def test_gradients_made_in_the_forward_are_the_backwards(cols, bf16, softcap, entropy_grad, weight_grad,
+                                                         monkeypatch):
     """grad_of (a loss that is a sum of per-row terms, PPO's update): the gradients made in the
     forward from each row block's kept logits are the ones the backward would make, with no logits
-    made again; a loss other than the one grad_of described falls back to the recompute and still
-    gets its own gradients."""
+    made again (also under bf16 autocast); a loss other than the one grad_of described falls back
+    to the recompute, with a warning, and still gets its own gradients."""
     monkeypatch.setattr(hl, "TILE_ROWS", 3)
     monkeypatch.setattr(hl, "TILE_COLS", cols)
-    calls = _counting_recomputes(monkeypatch)
+    calls = counting_recomputes(monkeypatch)
     g = torch.Generator().manual_seed(3)
     hidden = (3 * torch.randn(10, 16, generator=g)).requires_grad_()
     weight = torch.randn(50, 16, generator=g).requires_grad_(weight_grad)
@@ -155,14 +167,17 @@ def test_gradients_made_in_the_forward_are_the_backwards(cols, softcap, entropy_
     def run(given, loss_old=old):
         hidden.grad = weight.grad = None
         calls.clear()
-        logprob, entropy = hl.head_logprobs(hidden, weight, tokens, 0.7, 0.5, softcap, with_entropy=entropy_grad,
-                                            grad_of=given)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logprob, entropy = hl.head_logprobs(hidden, weight, tokens, 0.7, 0.5, softcap, with_entropy=entropy_grad,
+                                                grad_of=given)
         made_in_forward = len(calls)
         per_row(logprob, entropy, loss_old).backward()
         return (logprob.detach(), hidden.grad.clone(), None if weight.grad is None else weight.grad.clone(),
                 made_in_forward, sum(calls[made_in_forward:]))
 
-    fused, plain, other = run(grad_of), run(None), run(grad_of, loss_old=old + 0.3)
+    fused, plain = run(grad_of), run(None)
+    with pytest.warns(UserWarning, match="gradients were made again"):
+        other = run(grad_of, loss_old=old + 0.3)
     assert fused[3] == 4 and fused[4] == 0             # 4 row blocks, all in the forward, none made again
     assert plain[3] == 0 and plain[4] == 4
     assert other[3] == 4 and other[4] == 4             # the loss that came was not grad_of's: recomputed
@@ -175,21 +190,16 @@ def test_gradients_made_in_the_forward_are_the_backwards(cols, softcap, entropy_
 
 
 @pytest.mark.parametrize("loss_agg_mode", LOSS_AGG_MODES)
-@pytest.mark.parametrize("use_kl_loss, entropy_coeff", [(False, 0.0), (True, 0.01)])
-def test_the_update_makes_its_loss_gradients_in_the_heads_forward(loss_agg_mode, use_kl_loss, entropy_coeff,
+@pytest.mark.parametrize("use_kl_loss, entropy_coeff, extras", [(False, 0.0, False), (True, 0.01, False),
+                                                                 (True, 0.01, True)])
+def test_the_update_makes_its_loss_gradients_in_the_heads_forward(loss_agg_mode, use_kl_loss, entropy_coeff, extras,
                                                                  monkeypatch):
     """update_actor hands its loss to the head (response_logprobs' loss_of): for every aggregation,
-    with the KL loss and the entropy bonus or without, no row block makes its logits again in the
-    backward, and the gradients are those of the update without it."""
-    import train_ppo
-    from accelerate import Accelerator
-    from contextlib import nullcontext
-    from forward import readouts
-    from forward.batch import pack_batch
-    from plumbing.oom import OomReaction, base_sizes
-    import model_registry
+    with the KL loss and the entropy bonus or without, with rollout-correction weights and a
+    sampling temperature (extras), no row block makes its logits again in the backward, and the
+    gradients are those of the update without it."""
     monkeypatch.setattr(hl, "TILE_ROWS", 8)            # several row blocks a micro-batch
-    calls = _counting_recomputes(monkeypatch)
+    calls = counting_recomputes(monkeypatch)
     prompts = [[5 + (7 * i) % 200 for i in range(n)] for n in (3, 21, 9, 4)]
     responses = [[9 + (11 * i) % 200 for i in range(n)] for n in (17, 2, 12, 30)]
     batch = pack_batch(prompts, responses, pad_id=0)
@@ -198,6 +208,8 @@ def test_the_update_makes_its_loss_gradients_in_the_heads_forward(loss_agg_mode,
     batch["old_logprob"] = -6 + 0.3 * torch.randn(mask.shape, generator=g)      # ratios far from 1: clipped in places
     batch["ref_logprob"] = -6 + 0.3 * torch.randn(mask.shape, generator=g)
     batch["advantages"] = torch.randn(mask.shape, generator=g) * mask
+    if extras:
+        batch["is_weights"] = torch.rand(mask.shape, generator=g) * 2 * mask
     cfg = Config(train_batch_size=4, rollout_n=1, ppo_mini_batch_size=4, ppo_micro_batch_size_per_device=2,
                  ppo_epochs=1, max_response_length=30, loss_agg_mode=loss_agg_mode, use_kl_loss=use_kl_loss,
                  kl_loss_type="low_var_kl", max_grad_norm=1e9)
@@ -212,7 +224,8 @@ def test_the_update_makes_its_loss_gradients_in_the_heads_forward(loss_agg_mode,
         calls.clear()
         accelerator = Accelerator(cpu=True)
         stats = train_ppo.update_actor(accelerator, actor, optim, batch, cfg, nullcontext, False,
-                                       entropy_coeff=entropy_coeff, max_grad_norm=cfg.max_grad_norm,
+                                       temperature=0.7 if extras else 1.0, entropy_coeff=entropy_coeff,
+                                       max_grad_norm=cfg.max_grad_norm,
                                        oom=OomReaction(accelerator, base_sizes(cfg), cfg.max_oom_retries))
         return grads, stats, list(calls)
 
