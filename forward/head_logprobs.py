@@ -22,8 +22,8 @@ row (grad_of), the extra matmul goes: the forward keeps a row block's logits, bl
 they are made, until the log-prob and entropy of those rows, and so the loss's gradient there,
 are known, turns them into the gradients of hidden and weight, and lets them go; the backward
 checks that the gradient that comes is that one, bit for bit, and hands them on. One row
-block's logits live at a time (on CPUs up to KEPT_ELEMENTS: 512 rows of a 32k vocabulary); W5's
-head (1,376 rows x 32,768 x 256) forward and backward took 667 -> 501 ms.
+block's logits live at a time (on CPUs up to KEPT_ELEMENTS: 256 rows of a 32k vocabulary); W5's
+head (1,376 rows x 32,768 x 256) forward and backward took 568 -> 480 ms.
 
 Gradients flow from the log-prob and, when it is part of the loss, from the entropy:
   d logprob_i / d z_j = [j == token] - p_j
@@ -48,9 +48,10 @@ CHUNK_ELEMENTS = 1 << 22    # truncated_logprobs' whole rows on CPUs: 4M floats 
 # (1,400 tokens x 32,768 x 256) took 320 -> 200 ms forward, 820 -> 630 ms forward and backward
 TILE_ROWS = 512
 TILE_COLS = 1024
-# with grad_of a CPU row block's logits are kept until its gradients are made: at most 64 MB of
-# them (all of TILE_ROWS = 512 rows of a 32k vocabulary, 110 rows of Qwen's 152k)
-KEPT_ELEMENTS = 1 << 24
+# with grad_of a CPU row block's logits are kept until its gradients are made: at most 32 MB of
+# them (256 rows of a 32k vocabulary, 55 of Qwen's 152k). W5's actor micro-batch (1,462 response
+# tokens) 1,011 -> 920 ms; 64 MB (all 512 rows) saved 128 ms, but put W3's peak RSS up 90-140 MB
+KEPT_ELEMENTS = 1 << 23
 # on GPUs a chunk is a matmul: too few rows leave the device idle (13 rows of a 152k vocabulary
 # cost one kernel launch and one full read of the [V, H] weight each), so chunks go by rows,
 # at least CUDA_MIN_ROWS, up to 256M logits (1 GB in fp32; a few such buffers live at once), and
