@@ -87,20 +87,26 @@ def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap, wit
     both rescaled when m grows; then lse = m + log total and the entropy -sum p log p =
     log total - spread / total: sums of small same-signed terms, exact also when the entropy is low.
     Without with_entropy the spread is not summed and the entropy is None. keep (a list): each
-    block's logits are appended to it, as made, for the gradients (grad_of, _HeadLogprobs)."""
+    block's logits are appended to it, as made, for the gradients (grad_of, _HeadLogprobs); where
+    those can only be the log-prob's (no entropy, no soft-cap: _logprob_grads) the block's
+    exp(z - m) and its m instead, as (e, m): p = e exp(m - lse) then costs a multiply, not a
+    second exponential."""
     chosen = h.new_full((h.shape[0],), float("nan"), dtype=torch.float32)         # a token past the last block: NaN, not a stale number
     top = total = spread = None
+    exps_kept = keep is not None and not with_entropy and softcap is None
     for j, v0 in enumerate(range(0, w.shape[0], cols)):
         z = _logits(h, w[v0:v0 + cols], t, dtype, scale, softcap)                  # [r, c]
         here = _in_block(tokens, cols, j, w.shape[0])
         chosen[here[0]] = z[here]
         m = z.amax(-1) if top is None else torch.maximum(top, z.amax(-1))          # [r]
-        if keep is not None:
+        if keep is not None and not exps_kept:
             keep.append(z)
             z = z - m[:, None]
         else:
             z = z.sub_(m[:, None])
         e = z.exp() if with_entropy else z.exp_()                                  # z - m is read again for the spread
+        if exps_kept:
+            keep.append((e, m))
         if top is None:
             total, spread = e.sum(-1), (e * z).sum(-1) if with_entropy else None
         else:
@@ -202,11 +208,18 @@ def _row_block_grads(h, w, tokens, lse, entropy, g_lp, g_ent, cols: int, t: floa
                      grad_hidden, grad_weight, logits=None):
     """The gradients from one block of rows h [r, H] (lse, entropy, g_lp, g_ent [r, 1]; entropy and
     either g None where absent), added to grad_hidden [r, H] and grad_weight [V, H] (either None:
-    not wanted). logits: the blocks' logits [r, c] kept by the forward (consumed), else made again."""
+    not wanted). logits: what the forward kept of each block (consumed): its logits [r, c], or
+    (exp(z - m) [r, c], m [r]) (_block_forward); else the logits are made again."""
     def z(j, v0):
-        return logits[j] if logits is not None else _logits(h, w[v0:v0 + cols], t, dtype, scale, softcap)
+        kept = None if logits is None else logits[j]
+        return kept if isinstance(kept, torch.Tensor) else _logits(h, w[v0:v0 + cols], t, dtype, scale, softcap)
     if g_ent is None and softcap is None:
-        _logprob_grads(h, w, tokens, lse, g_lp, cols, t, dtype, scale, grad_hidden, grad_weight, z)
+        def softmax(j, v0):
+            if logits is not None and isinstance(logits[j], tuple):
+                e, m = logits[j]
+                return e.mul_((m[:, None] - lse).exp())                               # exp(z - lse)
+            return z(j, v0).sub_(lse).exp_()
+        _logprob_grads(h, w, tokens, lse, g_lp, cols, t, dtype, scale, grad_hidden, grad_weight, softmax)
         return
     for j, v0 in enumerate(range(0, w.shape[0], cols)):
         wb = w[v0:v0 + cols]
@@ -218,20 +231,22 @@ def _row_block_grads(h, w, tokens, lse, entropy, g_lp, g_ent, cols: int, t: floa
             _accumulate(grad_weight[v0:v0 + cols], gz.t(), h.to(dtype))
 
 
-def _logprob_grads(h, w, tokens, lse, g_lp, cols: int, t: float, dtype, scale: float, grad_hidden, grad_weight, logits):
+def _logprob_grads(h, w, tokens, lse, g_lp, cols: int, t: float, dtype, scale: float, grad_hidden, grad_weight,
+                   softmax):
     """The gradients of the log-prob alone (no entropy in the loss, no soft-cap) from one block of
     rows h [r, H], added to grad_hidden [r, H] and grad_weight [V, H] (either None: not wanted).
     d loss / d (h W^T) = -a (p - onehot) with a = g_lp scale / t per row, so the per-element work
     on each tile is p - onehot alone, made in fp32 before any rounding to a 16-bit compute dtype
     (for a confident token p is close to 1); the factor a scales the [r, H] sides once.
-    logits(j, v0): the j-th block's logits, from v0 (made or kept; overwritten)."""
+    softmax(j, v0): the j-th block's softmax p [r, c], from v0 (made, or from what the forward kept;
+    overwritten)."""
     a = g_lp * (scale / t)                                                                # [r, 1]
     minus_ah = (-a * h.float()).to(dtype) if grad_weight is not None else None            # [r, H]
     q_w = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if grad_hidden is not None else None   # sum q W
     minus_one = torch.tensor(-1.0, device=h.device)
     for j, v0 in enumerate(range(0, w.shape[0], cols)):
         wb = w[v0:v0 + cols]
-        q = logits(j, v0).sub_(lse).exp_()                                                  # [r, c] softmax
+        q = softmax(j, v0)                                                                  # [r, c]
         q = q.index_put_(_in_block(tokens, cols, j, w.shape[0]), minus_one, accumulate=True).to(dtype)   # p - onehot
         if q_w is not None:
             _accumulate(q_w, q, wb)

@@ -183,8 +183,10 @@ def test_gradients_made_in_the_forward_are_the_backwards(cols, bf16, softcap, en
     assert fused[3] == 4 and fused[4] == 0             # 4 row blocks, all in the forward, none made again
     assert plain[3] == 0 and plain[4] == 4
     assert other[3] == 4 and other[4] == 4             # the loss that came was not grad_of's: recomputed
+    # without entropy and soft-cap the forward keeps exp(z - m) and makes p = exp(z - m) exp(m - lse),
+    # where the recompute takes exp(z - lse): a rounding or two apart in each p
     for mine, ref in zip(fused[:3], plain[:3]):
-        torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
     reference = run(None, loss_old=old + 0.3)
     for mine, ref in zip(other[:3], reference[:3]):
         torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)
@@ -238,5 +240,6 @@ def test_the_update_makes_its_loss_gradients_in_the_heads_forward(loss_agg_mode,
     assert fused_stats["actor/pg_clipfrac"] > 0
     for key in plain_stats:
         assert fused_stats[key] == pytest.approx(plain_stats[key], rel=1e-6, abs=1e-9), key
-    for name, grad in plain.items():
-        torch.testing.assert_close(fused[name], grad, rtol=1e-5, atol=1e-8, msg=lambda m: f"{name}: {m}")
+    for name, grad in plain.items():   # p made two ways (see above): roundings of the largest terms apart
+        torch.testing.assert_close(fused[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
