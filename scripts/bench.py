@@ -9,7 +9,9 @@ very different lengths (token-budget micro-batches, packing and gradient checkpo
 pads). Each length of --w5_lengths is its own workload, w5_<length>, run with --max_response_length=<length>
 (the peer reads it from ours' config.yaml like every other value); the report adds each side's mean
 response length (they sample differently, so the two means differ by chance: compare times with them in
-view) and a table of how time and peak memory grow with the length.
+view) and a table of how time and peak memory grow with the length. Repeat k runs both sides with seed
+k - 1: each repeat draws other lengths, so the pooled figures average over draws where one seed would
+give one side the same lucky (or unlucky) lengths every time.
 
 What it does, in order:
   1. builds the assets if missing: scripts/make_w1.py -> runs/w1_assets, scripts/make_w3.py -> runs/w3_assets,
@@ -22,9 +24,10 @@ What it does, in order:
   3. measures the import baseline of each side: the peak RSS of a process that only imports what that
      side's run imports (train_ppo with the stack it imports lazily: transformers, accelerate, mlflow,
      pandas, ...; trl.experimental.ppo with datasets, transformers, ... in the venv), lowest of 2 tries;
-  4. per workload, alternates `--repeats` times: ours (train_ppo.py --config configs/<w>.yaml), then the
-     peer (scripts/bench_trl_peer.py, reading the config.yaml ours wrote, so both run the same values),
-     each as its own process, one at a time; the peak RSS of each is its rusage from wait4;
+  4. per workload, alternates `--repeats` times (repeat k with seed k - 1 on both sides): ours
+     (train_ppo.py --config configs/<w>.yaml), then the peer (scripts/bench_trl_peer.py, reading the
+     config.yaml ours wrote, so both run the same values), each as its own process, one at a time; the
+     peak RSS of each is its rusage from wait4;
   5. prints per side: the median iteration time over iterations 2..N (pooled over repeats; with several
      repeats also each repeat's own, the machine's drift between them shows), the median of each phase,
      the peak RSS (median over repeats) and the import baseline, then ours/peer ratios; also the mean
@@ -173,14 +176,15 @@ def measured_peak_tflops() -> float:
 
 def run_ours(name: str, workload: str, overrides: list[str], rep: int, iterations: int, out: Path, env: dict,
              peak_tflops: float) -> dict:
-    """name: the run's label (w5_1024); workload: its entry in WORKLOADS (w5); overrides: extra --key=value."""
+    """name: the run's label (w5_1024); workload: its entry in WORKLOADS (w5); overrides: extra --key=value.
+    Repeat rep runs with seed rep - 1, and the peer with it (it reads ours' config.yaml)."""
     config = WORKLOADS[workload][0]
     run_dir = out / name / f"ours_{rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "train_ppo.py", "--config", config, *overrides, f"--output_dir={run_dir}",
            f"--total_training_steps={iterations}", "--resume=never", "--save_freq=-1",
            f"--mlflow_tracking_uri=sqlite:///{out / 'mlflow.db'}", "--mlflow_experiment=bench",
-           f"--run_name={name}_ours_{rep}", f"--peak_tflops={peak_tflops}"]
+           f"--run_name={name}_ours_{rep}", f"--peak_tflops={peak_tflops}", f"--seed={rep - 1}"]
     result = run_measured(cmd, out / name / f"ours_{rep}.log", env)
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time/step_s" in r]
     result["iterations"] = [{k: v for k, v in r.items() if k.startswith(("time/", "perf/mfu")) or k in
@@ -211,7 +215,9 @@ def summarize(runs: list[dict], phases: tuple, baseline: float) -> dict:
                "import_rss_gb": baseline, "wall_s": median([r["wall_s"] for r in runs]),
                "n_iterations": len(later), "other_busy_cores": max(r["other_busy_cores"] for r in runs),
                # each repeat's own median: the machine's drift between repeats shows beside the pooled one
-               "repeat_step_s": [median([it["time/step_s"] for it in r["iterations"][1:]]) for r in runs]}
+               "repeat_step_s": [median([it["time/step_s"] for it in r["iterations"][1:]]) for r in runs],
+               "repeat_response_len": [statistics.fmean([it.get("rollout/response_len_mean", float("nan"))
+                                                         for it in r["iterations"][1:]] or [float("nan")]) for r in runs]}
     summary["score_mean"] = statistics.fmean([it.get("reward/score_mean", float("nan")) for r in runs
                                               for it in r["iterations"]])
     summary["kl_last"] = median([r["iterations"][-1].get("kl/mean", float("nan")) for r in runs if r["iterations"]])
@@ -237,9 +243,12 @@ def report(name: str, ours: dict, peer: dict, fixed_length: bool = True) -> None
           f"ours, {peer['n_iterations']} TRL)")
     print(f"  {'':<30} {'ours':>9} {'TRL 1.12':>9} {'':<3} {'ours/TRL':>8}")
     row("iteration time", ours["step_s"], peer["step_s"], "s")
-    if len(ours["repeat_step_s"]) > 1:   # repeat k: ours' k-th run and the peer's run after it
+    if len(ours["repeat_step_s"]) > 1:   # repeat k: ours' k-th run and the peer's run after it, seed k - 1
         for k, (a, b) in enumerate(zip(ours["repeat_step_s"], peer["repeat_step_s"]), 1):
-            row(f"  repeat {k}", a, b, "s")
+            row(f"  repeat {k} (seed {k - 1})", a, b, "s")
+            if not fixed_length:
+                row("    mean response", ours["repeat_response_len"][k - 1], peer["repeat_response_len"][k - 1],
+                    "tok", "{:.0f}")
     for phase in ("gen", "score", "forward", "update"):
         row(f"  {phase}", ours["phases"][phase], peer["phases"][phase], "s")
     row("  sync", ours["phases"]["sync"], None, "s")
