@@ -11,7 +11,8 @@ pads). Each length of --w5_lengths is its own workload, w5_<length>, run with --
 response length (they sample differently, so the two means differ by chance: compare times with them in
 view) and a table of how time and peak memory grow with the length. Repeat k runs both sides with seed
 k - 1: each repeat draws other lengths, so the pooled figures average over draws where one seed would
-give one side the same lucky (or unlucky) lengths every time.
+give one side the same lucky (or unlucky) lengths every time (W1 and W3 too: their lengths are fixed,
+their times do not depend on the seed; the pooled reward and KL then mix seeds, on both sides alike).
 
 What it does, in order:
   1. builds the assets if missing: scripts/make_w1.py -> runs/w1_assets, scripts/make_w3.py -> runs/w3_assets,

@@ -126,7 +126,7 @@ def counting_recomputes(monkeypatch) -> list:
     calls, original = [], hl._row_block_grads
 
     def counted(*args, **kwargs):
-        calls.append(kwargs.get("logits") is None)
+        calls.append(kwargs.get("kept") is None)
         return original(*args, **kwargs)
     monkeypatch.setattr(hl, "_row_block_grads", counted)
     return calls
@@ -184,9 +184,10 @@ def test_gradients_made_in_the_forward_are_the_backwards(cols, bf16, softcap, en
     assert plain[3] == 0 and plain[4] == 4
     assert other[3] == 4 and other[4] == 4             # the loss that came was not grad_of's: recomputed
     # without entropy and soft-cap the forward keeps exp(z - m) and makes p = exp(z - m) exp(m - lse),
-    # where the recompute takes exp(z - lse): a rounding or two apart in each p
+    # where the recompute takes exp(z - lse): a rounding or two apart in each p; otherwise the same ops
+    tol = dict(rtol=1e-5, atol=1e-6) if softcap is None and not entropy_grad else dict(rtol=1e-6, atol=1e-7)
     for mine, ref in zip(fused[:3], plain[:3]):
-        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mine, ref, **tol)
     reference = run(None, loss_old=old + 0.3)
     for mine, ref in zip(other[:3], reference[:3]):
         torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)
@@ -240,6 +241,6 @@ def test_the_update_makes_its_loss_gradients_in_the_heads_forward(loss_agg_mode,
     assert fused_stats["actor/pg_clipfrac"] > 0
     for key in plain_stats:
         assert fused_stats[key] == pytest.approx(plain_stats[key], rel=1e-6, abs=1e-9), key
-    for name, grad in plain.items():   # p made two ways (see above): roundings of the largest terms apart
-        torch.testing.assert_close(fused[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(),
-                                   msg=lambda m: f"{name}: {m}")
+    for name, grad in plain.items():   # without the entropy p is made two ways (see above): roundings apart
+        atol = 1e-6 * grad.abs().max().item() if not entropy_coeff else 1e-8
+        torch.testing.assert_close(fused[name], grad, rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
