@@ -58,6 +58,9 @@ class HFEngine:
             with torch.no_grad(), ExitStack() as stack:
                 for make_context in self.contexts:
                     stack.enter_context(make_context())
+                # inference mode inside the contexts (a ZeRO-3 gather's buffers stay normal tensors): no
+                # version counters or autograd metadata on decoding's ~800 small ops a token (W5: 3-5% faster)
+                stack.enter_context(torch.inference_mode())
                 stack.enter_context(_tall_head(self.model))
                 for i in range(0, len(expanded), self.micro_batch_size):
                     sampler = None if seed is None else Sampler(params, seed, keys[i:i + self.micro_batch_size])
