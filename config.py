@@ -165,6 +165,10 @@ class Config:
     rollout_is: str = opt("off", "rollout correction, truncated importance sampling of the sampler against the actor "
                                  "(both under the top_p/top_k cut): off | token | sequence")
     rollout_is_threshold: float = opt(2.0, "rollout_is: the weights' cap C in min(exp(actor - sampler log-prob), C)")
+    rollout_bypass_mode: bool = opt(False, "verl's rollout_correction.bypass_mode: the sampler's log-probs are the "
+                                           "old log-probs, so the actor's no-grad pass is skipped (PPO's ratio is "
+                                           "then against the sampler, as in TRL); actor/entropy and "
+                                           "rollout/logprob_diff come from the update's first epoch")
     temperature: float = opt(1.0, "sampling temperature for rollouts; log-probs use the same temperature")
     top_p: float = opt(1.0, "nucleus sampling for rollouts")
     top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")
@@ -296,6 +300,11 @@ def config_warnings(cfg: Config) -> list[str]:
         notes.append(f"entropy_floor_coeff={cfg.entropy_floor_coeff:g} is below entropy_coeff={cfg.entropy_coeff:g}: "
                      "a smaller entropy bonus lets entropy fall further, so this reaction to entropy collapse "
                      "deepens it")
+    if cfg.rollout_bypass_mode and (cfg.top_p < 1 or cfg.top_k > 0):
+        notes.append(f"rollout_bypass_mode with top_p={cfg.top_p:g} / top_k={cfg.top_k}: the old log-probs are then "
+                     "the sampler's of the cut, renormalised distribution and the update's are of the whole one, so "
+                     "PPO's ratio starts below 1 by the probability the cut removed, and clipping sees that as a "
+                     "policy change")
     return notes
 
 
@@ -439,6 +448,11 @@ def validate_config(cfg: Config) -> None:
          f"rollout_on_drift must be stop or regenerate, got {cfg.rollout_on_drift!r}")
     need(cfg.rollout_is in ("off", "token", "sequence"), f"rollout_is must be off, token or sequence, got {cfg.rollout_is!r}")
     need(cfg.rollout_is_threshold > 0, f"rollout_is_threshold must be > 0, got {cfg.rollout_is_threshold}")
+    for key, off in (("rollout_is", "off"), ("rollout_max_logprob_diff", 0.0)):
+        need(not cfg.rollout_bypass_mode or getattr(cfg, key) == off,
+             f"rollout_bypass_mode=true takes the sampler's log-probs as the old ones, so there is no actor pass "
+             f"before the update for {key}={getattr(cfg, key)!r} to compare them with: set {key}={off!r} (PPO's "
+             f"ratio against the sampler is the correction in bypass mode), or rollout_bypass_mode=false")
     need(cfg.rollout_sleep_level in (1, 2), f"rollout_sleep_level must be 1 or 2, got {cfg.rollout_sleep_level}")
     need(0 < cfg.rollout_gpu_memory_utilization <= 1,
          f"rollout_gpu_memory_utilization must be in (0, 1], got {cfg.rollout_gpu_memory_utilization}")

@@ -123,7 +123,9 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                  temperature: float = 1.0, entropy_coeff: float = 0.0, *, oom, max_grad_norm: float) -> dict:
     """guard/entropy (with entropy_floor): the entropy at the configured temperature, which a
     reacted sampling temperature does not move; measured over the first epoch, with one more
-    no-grad pass per micro-batch only while the sampling temperature differs from it. An OOM
+    no-grad pass per micro-batch only while the sampling temperature differs from it. In bypass
+    mode (no old-log-prob pass) actor/entropy is measured over the first epoch too, and
+    rollout/logprob_diff over the first mini-batch, the one pass at the sampler's weights. An OOM
     redoes the mini-batch with smaller micro-batches, its partial gradients dropped (oom.py)."""
     stats = Stats()
     sched = schedule(cfg, "actor")
@@ -132,7 +134,7 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
 
-    def mini_batch(mb: dict, epoch: int) -> Stats:
+    def mini_batch(mb: dict, epoch: int, first: bool) -> Stats:
         done = Stats()   # this try's figures: a try that runs out of memory leaves none
         norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
         loss_total = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0}
@@ -144,6 +146,7 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                         _, at_config = response_logprobs(actor, micro, cfg.temperature, with_entropy=True)
                     done.add({"guard/entropy": masked_mean(at_config, m).item()})
                 guard = cfg.entropy_floor and epoch == 0 and temperature == cfg.temperature
+                bypass = cfg.rollout_bypass_mode and epoch == 0
 
                 def actor_loss(logprob, entropy):   # a sum of per-token terms -> (loss, pg, pg_stats, kl_loss)
                     pg, pg_stats = policy_loss(micro["old_logprob"], logprob, micro["advantages"], m, low, high,
@@ -157,11 +160,18 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                         loss = loss + cfg.kl_loss_coef * kl_loss
                     return loss, pg, pg_stats, kl_loss
                 with autocast():   # the entropy only where the loss or the guard reads it; the head differentiates the loss
-                    logprob, entropy = response_logprobs(actor, micro, temperature, with_entropy=bool(entropy_coeff) or guard,
+                    logprob, entropy = response_logprobs(actor, micro, temperature,
+                                                         with_entropy=bool(entropy_coeff) or guard or bypass,
                                                          entropy_grad=entropy_coeff != 0,
                                                          loss_of=lambda lp, ent: actor_loss(lp, ent)[0])
                 if guard:
                     done.add({"guard/entropy": masked_mean(entropy.detach(), m).item()})
+                if bypass:   # what the old-log-prob pass measures otherwise
+                    done.add({"actor/entropy": agg_loss(entropy.detach(), m, cfg.loss_agg_mode,
+                                                        seq_len=cfg.max_response_length).item()})
+                    if first:
+                        done.add({"rollout/logprob_diff": masked_mean((logprob.detach() - micro["old_logprob"]).abs(),
+                                                                      m).item()})
                 loss, pg, pg_stats, kl_loss = actor_loss(logprob, entropy)
                 if cfg.use_kl_loss:
                     loss_total["actor/kl_loss"] += kl_loss.item()
@@ -181,8 +191,9 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
         return done
 
     for epoch in range(sched.epochs):
-        for mb in mini_batches(batch, mini):
-            stats.merge(oom.retry("actor", lambda: mini_batch(mb, epoch), lambda: drop_gradients(actor, optim, ds)))
+        for i, mb in enumerate(mini_batches(batch, mini)):
+            stats.merge(oom.retry("actor", lambda: mini_batch(mb, epoch, epoch == 0 and i == 0),
+                                  lambda: drop_gradients(actor, optim, ds)))
     return stats.means()
 
 
@@ -315,8 +326,8 @@ def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group
     start = ulysses.data_parallel(accelerator)[1] * rows
     full = {k: gather_rows(accelerator, v) for k, v in
             {"scores": token_scores, "mask": batch["response_mask"], "old": batch["old_logprob"],
-             "ref": batch.get("ref_logprob", batch["old_logprob"]), "entropy": batch["old_entropy"],
-             "values": batch.get("values", torch.zeros_like(token_scores))}.items()}
+             "ref": batch.get("ref_logprob", batch["old_logprob"]), "values": batch.get("values", torch.zeros_like(token_scores)),
+             **({"entropy": batch["old_entropy"]} if "old_entropy" in batch else {})}.items()}
     metrics = {}
     beta = kl_ctrl.value   # read before the update, as verl does
     token_rewards = full["scores"]
@@ -327,9 +338,9 @@ def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group
             token_rewards = shaped
             kl_ctrl.update(current_kl.item(), n_steps=full["scores"].shape[0])
         metrics = {"kl/mean": current_kl.item(), "kl/coef": beta if cfg.use_kl_in_reward else 0.0}
-    # verl's actor/entropy: the old-log-prob pass's, over the whole batch, aggregated as the loss is
-    metrics["actor/entropy"] = agg_loss(full["entropy"], full["mask"], cfg.loss_agg_mode,
-                                        seq_len=cfg.max_response_length).item()
+    if "entropy" in full:   # verl's actor/entropy: the old-log-prob pass's, over the whole batch, aggregated as the loss is
+        metrics["actor/entropy"] = agg_loss(full["entropy"], full["mask"], cfg.loss_agg_mode,
+                                            seq_len=cfg.max_response_length).item()
     all_valid = gather_rows(accelerator, valid.float()) > 0                                       # [B]
     adv, returns = compute_advantages(cfg, token_rewards, full["values"], full["mask"], group_ids, all_valid)
     if cfg.adv_estimator == "gae":
@@ -509,7 +520,8 @@ class Rollouts:
     truncated: torch.Tensor         # [b] bool: cut at max_response_length without EOS
     token_scores: torch.Tensor      # [b, R] the shaped score placed over the response tokens (reward_placement)
     sampler: torch.Tensor           # [b, R] the sampler's log-probs, of the distribution it drew from
-    actor_sampling: torch.Tensor    # [b, R] the actor's under that distribution (old_logprob unless top_k/top_p cut)
+    actor_sampling: torch.Tensor | None   # [b, R] the actor's under that distribution (old_logprob unless top_k/top_p
+                                          # cut); None in bypass mode (no actor pass)
     is_stats: dict
     tool_stats: dict = field(default_factory=dict)   # tools/* and time/tools_s (multi-turn)
 
@@ -572,9 +584,15 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic); an OOM redoes them
     with timed(times, "forward"), run.autocast():
+        sampler = None if sampled.logprobs is None else sampler_logprobs(sampled.logprobs, mask)
+        if cfg.rollout_bypass_mode:   # verl's bypass mode: the sampler's log-probs are the old ones, no actor pass
+            if sampler is None:
+                raise UserError("rollout_bypass_mode=true needs the sampler's log-probs, and this rollout reported "
+                                "none: set rollout_bypass_mode=false")
+            batch["old_logprob"] = sampler
         actor_sampling = run.oom.retry("log_prob", lambda: forward_passes(run, batch, temperature))
         # both engines report them (an engine that did not would count as the actor itself)
-        sampler = actor_sampling if sampled.logprobs is None else sampler_logprobs(sampled.logprobs, mask)
+        sampler = actor_sampling if sampler is None else sampler
         is_stats = {}
         if cfg.rollout_is != "off":   # sampler against actor under one distribution: see the README on top_p/top_k
             batch["is_weights"], is_stats = rollout_is_weights(actor_sampling, sampler, mask, cfg.rollout_is,
@@ -583,10 +601,11 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
                     is_stats, tools.metrics() if tools else {})
 
 
-def forward_passes(run: Run, batch: dict, temperature: float) -> torch.Tensor:
+def forward_passes(run: Run, batch: dict, temperature: float) -> torch.Tensor | None:
     """Phase 3 on this rank's rollouts: old_logprob, ref_logprob and values into batch -> the actor's
-    log-probs under the sampler's distribution. Each micro-batch's pass is agreed on by every rank
-    (an OOM on one raises PhaseOOM on all, after the pass: oom.py)."""
+    log-probs under the sampler's distribution (None in bypass mode: old_logprob is the sampler's,
+    and the actor's pass is skipped). Each micro-batch's pass is agreed on by every rank (an OOM on
+    one raises PhaseOOM on all, after the pass: oom.py)."""
     cfg, accelerator = run.cfg, run.accelerator
 
     def agreed(fn):
@@ -606,9 +625,11 @@ def forward_passes(run: Run, batch: dict, temperature: float) -> torch.Tensor:
         and, where the samplers report log-probs of a cut distribution (top_k / top_p), the actor's
         of the same, from one pass."""
         return torch.stack(response_logprobs(run.actor, mb, temperature, with_entropy=True, truncation=truncation), dim=-1)
-    outs = forward_in_micro_batches(agreed(actor_pass), batch, **passes)                 # [b, R, 2 or 3]
-    batch["old_logprob"], batch["old_entropy"] = outs[..., 0].contiguous(), outs[..., 1].contiguous()
-    actor_sampling = batch["old_logprob"] if truncation is None else outs[..., 2].contiguous()
+    actor_sampling = None
+    if not cfg.rollout_bypass_mode:
+        outs = forward_in_micro_batches(agreed(actor_pass), batch, **passes)             # [b, R, 2 or 3]
+        batch["old_logprob"], batch["old_entropy"] = outs[..., 0].contiguous(), outs[..., 1].contiguous()
+        actor_sampling = batch["old_logprob"] if truncation is None else outs[..., 2].contiguous()
     if run.ref is not None:
         batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.ref)), batch, **passes)
     elif cfg.lora_rank and (cfg.use_kl_in_reward or cfg.use_kl_loss):
@@ -632,10 +653,12 @@ def sampler_drift(accelerator, data: Rollouts) -> float:
 
 
 def check_drift(run: Run, step: int, idx: list[int], data: Rollouts, temperature: float,
-                times: dict) -> tuple[Rollouts, float, bool]:
+                times: dict) -> tuple[Rollouts, float | None, bool]:
     """rollout/logprob_diff over rollout_max_logprob_diff: stop, or sample the step again on the actor
-    -> (the rollouts, the drift, whether they were regenerated)."""
+    -> (the rollouts, the drift (None in bypass mode), whether they were regenerated)."""
     cfg, accelerator = run.cfg, run.accelerator
+    if cfg.rollout_bypass_mode:   # no actor pass to compare with: the update measures rollout/logprob_diff
+        return data, None, False
     # every engine reports its log-probs, so every rank runs this collective whatever engine it got
     drift = sampler_drift(accelerator, data)
     mismatch = step == run.first_step and fresh_mismatch_warning(
@@ -669,10 +692,11 @@ def rollout_metrics(run: Run, data: Rollouts, batch: dict, drift: float, regener
         "reward/score_median": median_over_ranks(run.accelerator, scores),
         "rollout/response_len_mean": mask.sum(-1).mean().item(),
         "rollout/truncated_frac": data.truncated.float().mean().item(),
-        "rollout/logprob_diff": drift,
         # the mean over ranks makes it a sum over the data-parallel ranks (an SP group holds one batch)
         "perf/tokens": batch["attention_mask"].sum().item() * ulysses.data_parallel(run.accelerator)[0],
     }
+    if drift is not None:   # bypass mode: the update measured it
+        metrics["rollout/logprob_diff"] = drift
     if run.scorer.is_verifier:
         metrics["reward/accuracy"] = (scores >= 1.0).float().mean().item()
     if cfg.entropy_floor:
@@ -775,7 +799,7 @@ def model_flops_utilisation(run: Run, batch: dict, updates: dict, dp: int) -> di
     forward = {role: flops.forward(shape, lens) for role, shape in run.shapes.items()}
     trained = {role: 3 * forward[role] * schedule(run.cfg, role).epochs for role in ("actor", "critic")
                if f"time/{role}_s" in updates}
-    done = 2 * forward["actor"] + sum(trained.values())                           # generation, old log-probs
+    done = (1 if run.cfg.rollout_bypass_mode else 2) * forward["actor"] + sum(trained.values())   # generation, old log-probs
     done += forward.get("ref", forward["actor"]) if "ref_logprob" in batch else 0.0   # a LoRA actor's base is the ref
     done += forward["critic"] if "values" in batch else 0.0
     done += forward.get("reward", 0.0)

@@ -314,6 +314,10 @@ def main():
     parser.add_argument("--iterations", type=int, default=None,
                         help="PPO iterations per run (default: w1 10, w3 6, w5 5); the first is reported apart")
     parser.add_argument("--peer_venv", default="runs/trl_peer_venv", help="the TRL 1.12.0 virtual environment")
+    parser.add_argument("--ours_args", default="",
+                        help="more --key=value for ours' runs, space-separated (the peer reads them from ours' "
+                             "config.yaml like the rest), e.g. '--rollout_bypass_mode=true': TRL takes the old "
+                             "log-probs from generation's logits, which is verl's bypass mode")
     parser.add_argument("--out", default="runs/bench")
     args = parser.parse_args()
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
@@ -328,6 +332,10 @@ def main():
         raise SystemExit(f"bench: --w5_lengths takes comma-separated integers, got {args.w5_lengths!r}") from None
     if "w5" in names and (not w5_lengths or min(w5_lengths) < 1):
         raise SystemExit(f"bench: --w5_lengths needs positive lengths, got {args.w5_lengths!r}")
+    extra = args.ours_args.split()
+    bad = [a for a in extra if not a.startswith("--") or "=" not in a]
+    if bad:
+        raise SystemExit(f"bench: --ours_args takes --key=value items, got {' '.join(bad)!r}")
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -343,7 +351,10 @@ def main():
     peak_tflops = measured_peak_tflops()
     log(f"fp32 matmul peak of this machine: {peak_tflops:.3f} TFLOPS (the yardstick of perf/mfu)")
     results = {"baselines": baselines, "peak_tflops": peak_tflops, "workloads": {}}
-    plan = expand(names, w5_lengths)
+    plan = [(name, workload, overrides + extra, length) for name, workload, overrides, length in expand(names, w5_lengths)]
+    if extra:
+        log(f"ours' runs also take: {' '.join(extra)}")
+    results["ours_args"] = extra
     for name, workload, overrides, length in plan:
         iterations = args.iterations or WORKLOADS[workload][3]
         runs = {"ours": [], "peer": []}
@@ -378,6 +389,8 @@ def main():
                                       "fixed_length": runs["peer"][0]["checks"].get("fixed_length", True),
                                       **summary, "runs": runs}
         (out / "results.json").write_text(json.dumps(results, indent=1))
+    if extra:
+        print(f"\nours ran with {' '.join(extra)} besides each workload's config")
     for name, _, _, _ in plan:
         w = results["workloads"][name]
         report(name, w["ours"], w["peer"], w["fixed_length"])

@@ -55,6 +55,15 @@ def _one_of(*allowed):
     return convert
 
 
+def _rollout_is(value):
+    """null (off), token or sequence"""
+    if value is None:
+        return "off"
+    if value not in ("token", "sequence"):
+        raise NotCarried("the toolkit's rollout_is is off (null), token or sequence")
+    return value
+
+
 def _top_k(value):
     """0 and -1 (off) -> -1"""
     return -1 if value == 0 else value          # verl: 0 (hf) and -1 (vllm) both mean "off"
@@ -210,6 +219,9 @@ MAPPING = {
     "algorithm.filter_groups.metric": ("filter_groups_metric", _filter_metric),
     "algorithm.filter_groups.max_num_gen_batches": ("max_num_gen_batches", _gen_batches),
     "algorithm.use_pf_ppo": "use_pf_ppo",
+    "algorithm.rollout_correction.bypass_mode": "rollout_bypass_mode",
+    "algorithm.rollout_correction.rollout_is": ("rollout_is", _rollout_is),
+    "algorithm.rollout_correction.rollout_is_threshold": "rollout_is_threshold",
     "algorithm.pf_ppo.reweight_method": "pf_ppo_reweight_method",
     "algorithm.pf_ppo.weight_pow": "pf_ppo_weight_pow",
     # trainer (total_epochs: the toolkit counts the steps at setup, as verl does)

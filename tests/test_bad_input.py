@@ -175,6 +175,25 @@ def test_grpo_with_kl_in_the_reward_is_warned_about():
                                                                   "configs/demo_grpo.yaml")])) == []
 
 
+@pytest.mark.parametrize("override, key", [("--rollout_is=token", "rollout_is"),
+                                           ("--rollout_max_logprob_diff=0.01", "rollout_max_logprob_diff")])
+def test_bypass_mode_refuses_what_needs_the_actor_pass_it_skips(override, key):
+    """rollout_bypass_mode takes the sampler's log-probs as the old ones: there is no actor pass
+    before the update for the rollout correction or the drift reaction to compare them with."""
+    text = message(lambda: load_config(["--rollout_bypass_mode=true", override]))
+    assert "rollout_bypass_mode" in text and key in text and override.split("=")[1] in text
+    load_config([override])   # each alone is fine
+
+
+def test_bypass_mode_under_a_top_p_cut_is_warned_about():
+    """The sampler's log-probs under a cut are of the renormalised distribution; the update's
+    are of the whole one, so PPO's ratio starts below 1: it runs (verl allows it) but is named."""
+    notes = config.config_warnings(config.Config(rollout_bypass_mode=True, top_p=0.9))
+    assert len(notes) == 1 and "top_p=0.9" in notes[0] and "ratio" in notes[0]
+    assert config.config_warnings(config.Config(rollout_bypass_mode=True)) == []
+    assert config.config_warnings(config.Config(top_p=0.9)) == []
+
+
 def test_prompt_truncation_drop_leaves_long_rows_out_with_their_columns(tmp_path, capsys):
     """verl's filter_overlong_prompts: over-long prompts are left out (and counted), and the
     reward function's columns stay aligned with the prompts that remain."""

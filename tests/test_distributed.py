@@ -152,8 +152,9 @@ def skewed_prompts(n: int, batch: int, seed: int, world: int) -> list[str]:
 
 
 # the uneven-work runs by validation set size: (accelerate config, steps, arguments of its own);
-# the size-3 run doubles as the zero3_offload config's run (still ZeRO-3: the same gathers to match)
-UNEVEN = {1: ("zero3", 1, []),
+# the size-3 run doubles as the zero3_offload config's run (still ZeRO-3: the same gathers to match),
+# the size-1 run as bypass mode's (no actor pass before the update; its metrics come from the update)
+UNEVEN = {1: ("zero3", 1, ["--rollout_bypass_mode=true"]),
           3: ("zero3_offload", 2, ["--ref_offload=true"])}
 
 
@@ -201,6 +202,8 @@ def test_zero3_uneven_work_per_rank_does_not_hang(uneven_run, val_size):
     assert [r["step"] for r in records] == list(range(UNEVEN[val_size][1] + 1))
     assert all(math.isfinite(r["val/score_mean"]) for r in records)
     assert "actor/pg_loss" in records[1] and "critic/vf_loss" in records[1]
+    if "--rollout_bypass_mode=true" in UNEVEN[val_size][2]:   # measured in the update, reduced over both ranks
+        assert math.isfinite(records[1]["actor/entropy"]) and records[1]["rollout/logprob_diff"] < 1e-4
 
 
 NAN_GRADIENT_ONCE = """

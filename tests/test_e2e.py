@@ -192,6 +192,35 @@ def test_vllm_engine_run_keeps_sampler_and_actor_in_sync(vllm_run):
 
 
 @pytest.mark.slow
+def test_bypass_mode_updates_as_the_recomputed_run_does(tmp_path):
+    """rollout_bypass_mode (verl's bypass mode): the sampler's log-probs are the old ones and the
+    actor's no-grad pass is skipped. The hf engine in fp32 samples with the actor itself, so its
+    log-probs are the actor's up to rounding: the same seed gives the same samples and the same
+    update as verl's default run, which recomputes them. actor/entropy and rollout/logprob_diff
+    then come from the update's first epoch and mini-batch."""
+    runs = {}
+    for mode in ("false", "true"):
+        out = tmp_path / mode
+        proc = run(tmp_path, f"--output_dir={out}", "--total_training_steps=2", "--test_freq=-1",
+                   "--val_before_train=false", f"--rollout_bypass_mode={mode}", *FAST)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = read_metrics(out)
+    recomputed, bypass = runs["false"], runs["true"]
+    assert [r["step"] for r in bypass] == [1, 2]
+    for r in bypass:
+        missing = [k for k in STEP_KEYS + ["rollout/logprob_diff"] if k not in r]
+        assert not missing and all(math.isfinite(v) for v in r.values()), missing
+        assert r["rollout/logprob_diff"] < 1e-5                  # sampler == actor up to fp32 rounding
+    a, b = recomputed[0], bypass[0]   # step 1: the same weights sample the same responses
+    assert (b["rollout/response_len_mean"], b["reward/score_mean"]) == (a["rollout/response_len_mean"],
+                                                                        a["reward/score_mean"])
+    for key in ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm", "critic/vf_loss", "kl/mean"):
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    # measured over the first epoch, the second mini-batch one optimizer step on: about the old pass's
+    assert b["actor/entropy"] == pytest.approx(a["actor/entropy"], rel=0.05)
+
+
+@pytest.mark.slow
 def test_sampler_drift_regenerates_the_step_on_policy(tmp_path):
     """rollout_on_drift=regenerate with a threshold below fp32 rounding: every step's vLLM samples
     count as drifted, so the weights are re-sent and the step is sampled again by the actor itself

@@ -305,6 +305,10 @@ def test_a_bad_override_is_an_error():
     ("trainer.total_epochs=15", "total_epochs", 15),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size", 2),
     ("critic.ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size", 2),
+    ("algorithm.rollout_correction.bypass_mode=True", "rollout_bypass_mode", True),
+    ("algorithm.rollout_correction.rollout_is=sequence", "rollout_is", "sequence"),
+    ("algorithm.rollout_correction.rollout_is=null", "rollout_is", "off"),
+    ("algorithm.rollout_correction.rollout_is_threshold=3.0", "rollout_is_threshold", 3.0),
 ])
 def test_each_added_mapping(override, key, value):
     t = v2c.translate(v2c.resolve(v2c.read_verl([], [override])))
@@ -407,3 +411,10 @@ def test_ulysses_sizes_must_agree_the_toolkit_has_one():
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=4"])))
     assert t.carried["ulysses_sequence_parallel_size"][:2] == (2, "actor_rollout_ref.actor.ulysses_sequence_parallel_size")
     assert [k for k, _, why in t.not_carried if "conflicts" in why] == ["critic.ulysses_sequence_parallel_size"]
+
+
+def test_a_rollout_correction_level_the_toolkit_lacks_is_not_carried():
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], ["algorithm.rollout_correction.rollout_is=geometric"])))
+    assert "rollout_is" not in t.carried
+    (why,) = [reason for key, _, reason in t.not_carried if key == "algorithm.rollout_correction.rollout_is"]
+    assert "token or sequence" in why
