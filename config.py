@@ -167,8 +167,8 @@ class Config:
     rollout_is_threshold: float = opt(2.0, "rollout_is: the weights' cap C in min(exp(actor - sampler log-prob), C)")
     rollout_bypass_mode: bool = opt(False, "verl's rollout_correction.bypass_mode: the sampler's log-probs are the "
                                            "old log-probs, so the actor's no-grad pass is skipped (PPO's ratio is "
-                                           "then against the sampler, as in TRL); actor/entropy and "
-                                           "rollout/logprob_diff come from the update's first epoch")
+                                           "then against the sampler, as in TRL); actor/entropy comes from the "
+                                           "update's first epoch, rollout/logprob_diff from its first mini-batch")
     temperature: float = opt(1.0, "sampling temperature for rollouts; log-probs use the same temperature")
     top_p: float = opt(1.0, "nucleus sampling for rollouts")
     top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")
@@ -303,8 +303,9 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.rollout_bypass_mode and (cfg.top_p < 1 or cfg.top_k > 0):
         notes.append(f"rollout_bypass_mode with top_p={cfg.top_p:g} / top_k={cfg.top_k}: the old log-probs are then "
                      "the sampler's of the cut, renormalised distribution and the update's are of the whole one, so "
-                     "PPO's ratio starts below 1 by the probability the cut removed, and clipping sees that as a "
-                     "policy change")
+                     "PPO's ratio starts below 1 by the probability the cut kept, and clipping sees that as a "
+                     "policy change; kl/mean and the KL in the reward (old against ref) gain -log of that "
+                     "probability per token too")
     return notes
 
 

@@ -33,7 +33,7 @@ from config import (Config, HERE, _split_files, config_warnings, critic_checkpoi
                     total_steps)
 from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_reinforce_pp_advantages,
                         compute_reinforce_pp_baseline_advantages, compute_rloo_advantages, explained_variance,
-                        kl_in_reward, masked_mean, pf_ppo_resample, place_scores, policy_loss, rollout_is_weights,
+                        kl_in_reward, masked_mean, masked_sum, pf_ppo_resample, place_scores, policy_loss, rollout_is_weights,
                         value_loss)
 from distribution import plugins as distributed
 from distribution.plugins import gathered_params, param_share
@@ -170,8 +170,8 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                     done.add({"actor/entropy": agg_loss(entropy.detach(), m, cfg.loss_agg_mode,
                                                         seq_len=cfg.max_response_length).item()})
                     if first:
-                        done.add({"rollout/logprob_diff": masked_mean((logprob.detach() - micro["old_logprob"]).abs(),
-                                                                      m).item()})
+                        diff = masked_sum((logprob.detach() - micro["old_logprob"]).abs(), m) / m.sum()   # NaN: no token
+                        done.add({"rollout/logprob_diff": diff.item()})
                 loss, pg, pg_stats, kl_loss = actor_loss(logprob, entropy)
                 if cfg.use_kl_loss:
                     loss_total["actor/kl_loss"] += kl_loss.item()
@@ -584,15 +584,15 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic); an OOM redoes them
     with timed(times, "forward"), run.autocast():
-        sampler = None if sampled.logprobs is None else sampler_logprobs(sampled.logprobs, mask)
+        reported = None if sampled.logprobs is None else sampler_logprobs(sampled.logprobs, mask)
         if cfg.rollout_bypass_mode:   # verl's bypass mode: the sampler's log-probs are the old ones, no actor pass
-            if sampler is None:
+            if reported is None:
                 raise UserError("rollout_bypass_mode=true needs the sampler's log-probs, and this rollout reported "
                                 "none: set rollout_bypass_mode=false")
-            batch["old_logprob"] = sampler
+            batch["old_logprob"] = reported
         actor_sampling = run.oom.retry("log_prob", lambda: forward_passes(run, batch, temperature))
         # both engines report them (an engine that did not would count as the actor itself)
-        sampler = actor_sampling if sampler is None else sampler
+        sampler = actor_sampling if reported is None else reported
         is_stats = {}
         if cfg.rollout_is != "off":   # sampler against actor under one distribution: see the README on top_p/top_k
             batch["is_weights"], is_stats = rollout_is_weights(actor_sampling, sampler, mask, cfg.rollout_is,
@@ -652,6 +652,15 @@ def sampler_drift(accelerator, data: Rollouts) -> float:
     return total / max(count, 1.0)
 
 
+def warn_fresh_mismatch(run: Run, step: int, drift: float) -> None:
+    """On the first step, where the engine's weights were just copied from the actor: a drift that
+    only a sampler computing the model differently explains is named (rollout/engines.py)."""
+    mismatch = step == run.first_step and fresh_mismatch_warning(
+        drift, run.engine.name, run.cfg.dtype, run.accelerator.unwrap_model(run.actor).config.model_type)
+    if mismatch and run.accelerator.is_main_process:
+        print(mismatch, file=sys.stderr, flush=True)
+
+
 def check_drift(run: Run, step: int, idx: list[int], data: Rollouts, temperature: float,
                 times: dict) -> tuple[Rollouts, float | None, bool]:
     """rollout/logprob_diff over rollout_max_logprob_diff: stop, or sample the step again on the actor
@@ -661,10 +670,7 @@ def check_drift(run: Run, step: int, idx: list[int], data: Rollouts, temperature
         return data, None, False
     # every engine reports its log-probs, so every rank runs this collective whatever engine it got
     drift = sampler_drift(accelerator, data)
-    mismatch = step == run.first_step and fresh_mismatch_warning(
-        drift, run.engine.name, cfg.dtype, accelerator.unwrap_model(run.actor).config.model_type)
-    if mismatch and accelerator.is_main_process:
-        print(mismatch, file=sys.stderr, flush=True)
+    warn_fresh_mismatch(run, step, drift)
     if cfg.rollout_max_logprob_diff > 0 and drift > cfg.rollout_max_logprob_diff:
         if cfg.rollout_on_drift == "stop":
             raise UserError(f"step {step}: rollout/logprob_diff={drift:.4g} > rollout_max_logprob_diff="
@@ -781,6 +787,8 @@ def train_step(run: Run, step: int) -> dict:
         if run.peak_flops:
             metrics.update(model_flops_utilisation(run, batch, updates, dp))
         metrics = reduce_metrics(accelerator, {**metrics, **times})
+    if cfg.rollout_bypass_mode and cfg.top_p == 1 and cfg.top_k <= 0:   # (under a cut the measure holds the cut too)
+        warn_fresh_mismatch(run, step, metrics.get("rollout/logprob_diff", float("nan")))   # check_drift's, from the update
     metrics.update(times)   # this rank's own clock, so the phases add up to its step
     metrics["time/step_s"] = time.perf_counter() - step_start
     metrics["time/sync_share"] = metrics["time/sync_s"] / metrics["time/step_s"]   # resharding's share of the step

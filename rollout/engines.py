@@ -53,8 +53,8 @@ def fresh_mismatch_warning(drift: float, engine: str, dtype: str, model_type: st
         return None
     return (f"warning: rollout/logprob_diff={drift:.3g} on the first step, with the {engine} engine's weights just "
             f"copied from the actor: the {engine} engine computes this model ({model_type}) differently from "
-            f"transformers, so every rollout is off-policy by that much (rollout_is corrects for it; "
-            f"rollout_engine=hf samples from the actor itself)")
+            f"transformers, so every rollout is off-policy by that much (rollout_is corrects for it, without "
+            f"rollout_bypass_mode; rollout_engine=hf samples from the actor itself)")
 
 
 def generate_split(engine, prompts: PromptSet, params: SamplingParams, tools=None, any_active=None):

@@ -219,11 +219,11 @@ MAPPING = {
     "algorithm.filter_groups.metric": ("filter_groups_metric", _filter_metric),
     "algorithm.filter_groups.max_num_gen_batches": ("max_num_gen_batches", _gen_batches),
     "algorithm.use_pf_ppo": "use_pf_ppo",
+    "algorithm.pf_ppo.reweight_method": "pf_ppo_reweight_method",
+    "algorithm.pf_ppo.weight_pow": "pf_ppo_weight_pow",
     "algorithm.rollout_correction.bypass_mode": "rollout_bypass_mode",
     "algorithm.rollout_correction.rollout_is": ("rollout_is", _rollout_is),
     "algorithm.rollout_correction.rollout_is_threshold": "rollout_is_threshold",
-    "algorithm.pf_ppo.reweight_method": "pf_ppo_reweight_method",
-    "algorithm.pf_ppo.weight_pow": "pf_ppo_weight_pow",
     # trainer (total_epochs: the toolkit counts the steps at setup, as verl does)
     "trainer.total_training_steps": "total_training_steps",
     "trainer.total_epochs": "total_epochs",
@@ -454,6 +454,12 @@ def translate(flat: dict) -> Translation:
         always = next((why for pattern, why in ALWAYS.items() if fnmatch.fnmatchcase(key, pattern)), None)
         if always:
             out.used.append((key, value, always))
+            continue
+        if (key == "algorithm.rollout_correction.rollout_is" and value is not None
+                and flat.get("algorithm.rollout_correction.bypass_mode") is True):
+            out.not_carried.append((key, value, "with bypass_mode, verl's default ppo_clip loss computes these weights "
+                                                "for its rollout_corr/* metrics only; the toolkit's bypass mode has no "
+                                                "rollout_is (its PPO ratio is against the sampler)"))
             continue
         if key == "data.truncation" and flat.get("data.filter_overlong_prompts") is True:
             out.used.append((key, value, "moot: data.filter_overlong_prompts drops over-long prompts first"))

@@ -214,7 +214,8 @@ def test_bypass_mode_updates_as_the_recomputed_run_does(tmp_path):
     a, b = recomputed[0], bypass[0]   # step 1: the same weights sample the same responses
     assert (b["rollout/response_len_mean"], b["reward/score_mean"]) == (a["rollout/response_len_mean"],
                                                                         a["reward/score_mean"])
-    for key in ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm", "critic/vf_loss", "kl/mean"):
+    for key in ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "critic/vf_loss", "kl/mean"):   # (a clip fraction
+        # could move by one token where another CPU rounds a ratio across the clip boundary)
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     # measured over the first epoch, the second mini-batch one optimizer step on: about the old pass's
     assert b["actor/entropy"] == pytest.approx(a["actor/entropy"], rel=0.05)

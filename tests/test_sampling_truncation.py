@@ -241,9 +241,9 @@ def test_zero3_two_processes_at_top_k_and_top_p_report_no_drift(zero3_run, engin
 def test_bypass_mode_at_top_p_half_measures_the_ratio_against_the_cut_sampler(tmp_path):
     """rollout_bypass_mode takes the sampler's log-probs as the old ones. At top_p=0.5 those are
     of the cut, renormalised distribution, while the update's are of the whole one, so with
-    weights that do not move rollout/logprob_diff (measured in the update) is the log of the
-    probability each cut removed, far from the ~0 that the recomputed run above reports, and the
-    update sees a policy change (ppo_kl > 0) that is the truncation's. The run warns about it."""
+    weights that do not move rollout/logprob_diff (measured in the update) is -log of the
+    probability each cut kept, far from the ~0 that the recomputed run above reports, and the
+    update sees a policy change (ppo_kl > 0) that is the truncation's."""
     records = _run(tmp_path, "--top_p=0.5", "--rollout_is=off", "--rollout_bypass_mode=true")
     assert [r["step"] for r in records] == [1, 2]
     for r in records:

