@@ -33,8 +33,8 @@ from config import (Config, HERE, _split_files, config_warnings, critic_checkpoi
                     total_steps)
 from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_reinforce_pp_advantages,
                         compute_reinforce_pp_baseline_advantages, compute_rloo_advantages, explained_variance,
-                        kl_in_reward, masked_mean, masked_sum, pf_ppo_resample, place_scores, policy_loss, rollout_is_weights,
-                        value_loss)
+                        kl_in_reward, masked_mean, masked_sum, pf_ppo_resample, place_scores, policy_loss,
+                        rollout_is_weights, value_loss)
 from distribution import plugins as distributed
 from distribution.plugins import gathered_params, param_share
 from distribution.prepare import check_world_size, make_accelerator, prepare_models
@@ -170,8 +170,8 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                     done.add({"actor/entropy": agg_loss(entropy.detach(), m, cfg.loss_agg_mode,
                                                         seq_len=cfg.max_response_length).item()})
                     if first:
-                        diff = masked_sum((logprob.detach() - micro["old_logprob"]).abs(), m) / m.sum()   # NaN: no token
-                        done.add({"rollout/logprob_diff": diff.item()})
+                        diff = masked_sum((logprob.detach() - micro["old_logprob"]).abs(), m) / m.sum()
+                        done.add({"rollout/logprob_diff": diff.item()})   # NaN where no token: dropped
                 loss, pg, pg_stats, kl_loss = actor_loss(logprob, entropy)
                 if cfg.use_kl_loss:
                     loss_total["actor/kl_loss"] += kl_loss.item()
@@ -326,8 +326,9 @@ def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group
     start = ulysses.data_parallel(accelerator)[1] * rows
     full = {k: gather_rows(accelerator, v) for k, v in
             {"scores": token_scores, "mask": batch["response_mask"], "old": batch["old_logprob"],
-             "ref": batch.get("ref_logprob", batch["old_logprob"]), "values": batch.get("values", torch.zeros_like(token_scores)),
-             **({"entropy": batch["old_entropy"]} if "old_entropy" in batch else {})}.items()}
+             "ref": batch.get("ref_logprob", batch["old_logprob"]),
+             "values": batch.get("values", torch.zeros_like(token_scores)),
+             **({"entropy": batch["old_entropy"]} if "old_entropy" in batch else {})}.items()}   # none in bypass mode
     metrics = {}
     beta = kl_ctrl.value   # read before the update, as verl does
     token_rewards = full["scores"]
@@ -338,7 +339,7 @@ def rewards_and_advantages(cfg, accelerator, kl_ctrl, batch, token_scores, group
             token_rewards = shaped
             kl_ctrl.update(current_kl.item(), n_steps=full["scores"].shape[0])
         metrics = {"kl/mean": current_kl.item(), "kl/coef": beta if cfg.use_kl_in_reward else 0.0}
-    if "entropy" in full:   # verl's actor/entropy: the old-log-prob pass's, over the whole batch, aggregated as the loss is
+    if "entropy" in full:   # verl's actor/entropy: the old-log-prob pass's, whole batch, aggregated as the loss is
         metrics["actor/entropy"] = agg_loss(full["entropy"], full["mask"], cfg.loss_agg_mode,
                                             seq_len=cfg.max_response_length).item()
     all_valid = gather_rows(accelerator, valid.float()) > 0                                       # [B]
@@ -787,8 +788,8 @@ def train_step(run: Run, step: int) -> dict:
         if run.peak_flops:
             metrics.update(model_flops_utilisation(run, batch, updates, dp))
         metrics = reduce_metrics(accelerator, {**metrics, **times})
-    if cfg.rollout_bypass_mode and cfg.top_p == 1 and cfg.top_k <= 0:   # (under a cut the measure holds the cut too)
-        warn_fresh_mismatch(run, step, metrics.get("rollout/logprob_diff", float("nan")))   # check_drift's, from the update
+    if cfg.rollout_bypass_mode and cfg.top_p == 1 and cfg.top_k <= 0:   # check_drift's warning, from the update's
+        warn_fresh_mismatch(run, step, metrics.get("rollout/logprob_diff", float("nan")))   # measure (a cut is in it)
     metrics.update(times)   # this rank's own clock, so the phases add up to its step
     metrics["time/step_s"] = time.perf_counter() - step_start
     metrics["time/sync_share"] = metrics["time/sync_s"] / metrics["time/step_s"]   # resharding's share of the step
@@ -807,7 +808,8 @@ def model_flops_utilisation(run: Run, batch: dict, updates: dict, dp: int) -> di
     forward = {role: flops.forward(shape, lens) for role, shape in run.shapes.items()}
     trained = {role: 3 * forward[role] * schedule(run.cfg, role).epochs for role in ("actor", "critic")
                if f"time/{role}_s" in updates}
-    done = (1 if run.cfg.rollout_bypass_mode else 2) * forward["actor"] + sum(trained.values())   # generation, old log-probs
+    passes = 1 if run.cfg.rollout_bypass_mode else 2                              # generation (and old log-probs)
+    done = passes * forward["actor"] + sum(trained.values())
     done += forward.get("ref", forward["actor"]) if "ref_logprob" in batch else 0.0   # a LoRA actor's base is the ref
     done += forward["critic"] if "values" in batch else 0.0
     done += forward.get("reward", 0.0)
