@@ -303,7 +303,7 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.rollout_bypass_mode and (cfg.top_p < 1 or cfg.top_k > 0):
         notes.append(f"rollout_bypass_mode with top_p={cfg.top_p:g} / top_k={cfg.top_k}: the old log-probs are then "
                      "the sampler's of the cut, renormalised distribution and the update's are of the whole one, so "
-                     "PPO's ratio starts below 1 by the probability the cut kept, and clipping sees that as a "
+                     "PPO's ratio starts at the probability the cut kept (below 1), and clipping sees that as a "
                      "policy change; kl/mean and the KL in the reward (old against ref) gain -log of that "
                      "probability per token too")
     return notes

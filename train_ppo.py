@@ -788,8 +788,10 @@ def train_step(run: Run, step: int) -> dict:
         if run.peak_flops:
             metrics.update(model_flops_utilisation(run, batch, updates, dp))
         metrics = reduce_metrics(accelerator, {**metrics, **times})
-    if cfg.rollout_bypass_mode and cfg.top_p == 1 and cfg.top_k <= 0:   # check_drift's warning, from the update's
-        warn_fresh_mismatch(run, step, metrics.get("rollout/logprob_diff", float("nan")))   # measure (a cut is in it)
+    # bypass mode: check_drift's first-step warning from the update's measure, which under a
+    # top_p/top_k cut also holds the cut's -log kept probability (then no verdict)
+    if cfg.rollout_bypass_mode and cfg.top_p == 1 and cfg.top_k <= 0:
+        warn_fresh_mismatch(run, step, metrics.get("rollout/logprob_diff", float("nan")))
     metrics.update(times)   # this rank's own clock, so the phases add up to its step
     metrics["time/step_s"] = time.perf_counter() - step_start
     metrics["time/sync_share"] = metrics["time/sync_s"] / metrics["time/step_s"]   # resharding's share of the step

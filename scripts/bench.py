@@ -351,7 +351,8 @@ def main():
     peak_tflops = measured_peak_tflops()
     log(f"fp32 matmul peak of this machine: {peak_tflops:.3f} TFLOPS (the yardstick of perf/mfu)")
     results = {"baselines": baselines, "peak_tflops": peak_tflops, "workloads": {}}
-    plan = [(name, workload, overrides + extra, length) for name, workload, overrides, length in expand(names, w5_lengths)]
+    plan = [(name, workload, overrides + extra, length)
+            for name, workload, overrides, length in expand(names, w5_lengths)]
     if extra:
         log(f"ours' runs also take: {' '.join(extra)}")
     results["ours_args"] = extra

@@ -455,7 +455,8 @@ def translate(flat: dict) -> Translation:
         if always:
             out.used.append((key, value, always))
             continue
-        if (key == "algorithm.rollout_correction.rollout_is" and value is not None
+        if (key in ("algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_is_threshold")
+                and flat.get("algorithm.rollout_correction.rollout_is") is not None
                 and flat.get("algorithm.rollout_correction.bypass_mode") is True):
             out.not_carried.append((key, value, "with bypass_mode, verl's default ppo_clip loss computes these weights "
                                                 "for its rollout_corr/* metrics only; the toolkit's bypass mode has no "

@@ -424,8 +424,10 @@ def test_bypass_mode_leaves_verls_metrics_only_rollout_is_behind():
     """verl's bypass mode with its default ppo_clip loss computes rollout_is weights for metrics
     only; the toolkit refuses rollout_is with bypass mode, so it is not carried (with the reason)."""
     t = v2c.translate(v2c.resolve(v2c.read_verl([], ["algorithm.rollout_correction.bypass_mode=True",
-                                                     "algorithm.rollout_correction.rollout_is=token"])))
-    assert t.carried["rollout_bypass_mode"][0] is True and "rollout_is" not in t.carried
-    (why,) = [reason for key, _, reason in t.not_carried if key == "algorithm.rollout_correction.rollout_is"]
-    assert "bypass_mode" in why
+                                                     "algorithm.rollout_correction.rollout_is=token",
+                                                     "algorithm.rollout_correction.rollout_is_threshold=3.0"])))
+    assert t.carried["rollout_bypass_mode"][0] is True
+    assert "rollout_is" not in t.carried and "rollout_is_threshold" not in t.carried
+    reasons = [reason for key, _, reason in t.not_carried if key.startswith("algorithm.rollout_correction.rollout_is")]
+    assert len(reasons) == 2 and all("bypass_mode" in why for why in reasons)
     config.validate_config(config.Config(**{k: v[0] for k, v in t.carried.items()}))   # it loads
