@@ -300,7 +300,7 @@ def config_warnings(cfg: Config) -> list[str]:
         notes.append(f"entropy_floor_coeff={cfg.entropy_floor_coeff:g} is below entropy_coeff={cfg.entropy_coeff:g}: "
                      "a smaller entropy bonus lets entropy fall further, so this reaction to entropy collapse "
                      "deepens it")
-    if cfg.rollout_bypass_mode and (cfg.top_p < 1 or cfg.top_k > 0):
+    if cfg.rollout_bypass_mode and sampling_cut(cfg):
         notes.append(f"rollout_bypass_mode with top_p={cfg.top_p:g} / top_k={cfg.top_k}: the old log-probs are then "
                      "the sampler's of the cut, renormalised distribution and the update's are of the whole one, so "
                      "PPO's ratio starts at the probability the cut kept (below 1), and clipping sees that as a "
@@ -548,6 +548,11 @@ def schedule(cfg: Config, role: str) -> Schedule:
         return getattr(cfg, key) if value is None else value
     return Schedule(own("ppo_mini_batch_size"), own("ppo_micro_batch_size_per_device"), own("ppo_epochs"),
                     own("ppo_max_token_len_per_device") * sp if cfg.use_dynamic_bsz else 0)
+
+
+def sampling_cut(cfg: Config) -> bool:
+    """top_p / top_k cut the rollouts' sampling distribution (renormalised over what they keep)."""
+    return cfg.top_p < 1 or cfg.top_k > 0
 
 
 def critic_checkpointing(cfg: Config) -> bool:

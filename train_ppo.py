@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 import kl
-from config import (Config, HERE, _split_files, config_warnings, critic_checkpointing, load_config, schedule,
-                    total_steps)
+from config import (Config, HERE, _split_files, config_warnings, critic_checkpointing, load_config, sampling_cut,
+                    schedule, total_steps)
 from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_reinforce_pp_advantages,
                         compute_reinforce_pp_baseline_advantages, compute_rloo_advantages, explained_variance,
                         kl_in_reward, masked_mean, masked_sum, pf_ppo_resample, place_scores, policy_loss,
@@ -619,7 +619,7 @@ def forward_passes(run: Run, batch: dict, temperature: float) -> torch.Tensor | 
     critic_sched = schedule(cfg, "critic")
     micro, max_tokens = run.oom.size("log_prob")
     passes = dict(size=micro, max_tokens=max_tokens, agree=max_over_ranks(accelerator))
-    truncation = (cfg.top_k, cfg.top_p) if cfg.top_k > 0 or cfg.top_p < 1 else None
+    truncation = (cfg.top_k, cfg.top_p) if sampling_cut(cfg) else None
 
     def actor_pass(mb):
         """-> [b, r, 2 or 3]: the old log-probs, their entropy (actor/entropy, as verl measures it)
@@ -790,7 +790,7 @@ def train_step(run: Run, step: int) -> dict:
         metrics = reduce_metrics(accelerator, {**metrics, **times})
     # bypass mode: check_drift's first-step warning from the update's measure, which under a
     # top_p/top_k cut also holds the cut's -log kept probability (then no verdict)
-    if cfg.rollout_bypass_mode and cfg.top_p == 1 and cfg.top_k <= 0:
+    if cfg.rollout_bypass_mode and not sampling_cut(cfg):
         warn_fresh_mismatch(run, step, metrics.get("rollout/logprob_diff", float("nan")))
     metrics.update(times)   # this rank's own clock, so the phases add up to its step
     metrics["time/step_s"] = time.perf_counter() - step_start
