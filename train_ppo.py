@@ -5,7 +5,7 @@ critic for GAE (or a critic-free estimator), a frozen reference model for KL reg
 in the reward with a fixed or adaptive controller, and/or KL as a loss; see kl/), dual-clip,
 value clipping, entropy bonus and gradient clipping. The math is verl 0.9.1's, as pure functions in
 core_algos.py; one iteration is the numbered phases of `train_step` (1-7) and of the loop in `main` (8);
-the update is below; what the story leans on lives in modules named by concern (README, Architecture).
+the update is below; what the story leans on lives in modules named by concern (docs/architecture.md).
 
     python train_ppo.py                                    # built-in demo: tiny model, arithmetic, CPU
     python train_ppo.py --config configs/demo.yaml --total_training_steps=20 --output_dir runs/x
@@ -595,7 +595,7 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
         # both engines report them (an engine that did not would count as the actor itself)
         sampler = actor_sampling if reported is None else reported
         is_stats = {}
-        if cfg.rollout_is != "off":   # sampler against actor under one distribution: see the README on top_p/top_k
+        if cfg.rollout_is != "off":   # sampler against actor under one distribution: see docs/configuration.md on top_p/top_k
             batch["is_weights"], is_stats = rollout_is_weights(actor_sampling, sampler, mask, cfg.rollout_is,
                                                                cfg.rollout_is_threshold)
     return Rollouts(batch, sampled.responses, scores, nonfinite, truncated, token_scores, sampler, actor_sampling,

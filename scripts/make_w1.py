@@ -1,4 +1,4 @@
-"""Build the W1 benchmark's models and prompts (../shared/benchmarks.md), offline and seeded.
+"""Build the W1 benchmark's models and prompts (docs/benchmarks.md), offline and seeded.
 
     python scripts/make_w1.py [--out runs/w1_assets]
 

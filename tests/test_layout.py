@@ -1,7 +1,8 @@
-"""The tree shows the layers (README, Architecture; shared house-style.md): each module imports
+"""The tree shows the layers (docs/architecture.md): each module imports
 only its own layer or lower, nothing imports train_ppo.py (it runs as __main__), and our modules
 import no cycle. Read from the source with ast, without importing anything."""
 import ast
+import re
 import subprocess
 from pathlib import Path
 
@@ -125,3 +126,50 @@ def test_the_check_fails_on_an_upward_import(module, imported):
 def test_the_cycle_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+# What points outside the repository: a path that climbs ("../shared/x.md": paths here are written
+# from the repository's root, so any climb leaves it), or a Markdown file named by a path or a bare
+# name that no file in the repository has ("design.md"). Web addresses are not paths.
+URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
+CLIMB = re.compile(r"(?:\.\./)+[\w./-]*")
+MD_NAME = re.compile(r"[\w./-]*\w\.md\b")
+
+
+def outside_references(path: str, text: str, md_files: set[str]) -> list[str]:
+    """The references in `text` (the file at repository path `path`) to files outside the repository."""
+    text, found = URL.sub(" ", text), []
+    found += CLIMB.findall(text)
+    names = {Path(p).name for p in md_files}
+    for ref in MD_NAME.findall(text):
+        ref = ref.lstrip("./") if not ref.startswith("../") else ref
+        if ref not in md_files and Path(ref).name not in names and ref not in found:
+            found.append(ref)
+    return found
+
+
+def repository_files() -> list[str]:
+    return subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_nothing_in_the_repository_points_outside_it():
+    files = [p for p in repository_files() if (ROOT / p).is_file()]
+    md_files = {p for p in files if p.endswith(".md")}
+    bad = []
+    for p in files:
+        if p == "tests/test_layout.py":   # this file's own examples of what is refused
+            continue
+        try:
+            text = (ROOT / p).read_text()
+        except UnicodeDecodeError:   # model weights, parquet: not text
+            continue
+        bad += [f"{p}: {ref}" for ref in outside_references(p, text, md_files)]
+    assert not bad, "references to files outside the repository:\n" + "\n".join(bad)
+
+
+def test_the_outside_reference_check_finds_them():
+    md = {"README.md", "docs/benchmarks.md"}
+    assert outside_references("scripts/bench.py", "W1 (../shared/benchmarks.md)", md) == ["../shared/benchmarks.md"]
+    assert outside_references("core_algos.py", "see shared algorithms.md", md) == ["algorithms.md"]
+    assert outside_references("docs/x.md", "[W1](benchmarks.md), README.md, https://h.io/a/design.md", md) == []
