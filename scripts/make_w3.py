@@ -34,7 +34,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2ForSequenceClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from make_demo import build_tiny_qwen2  # noqa: E402
+from make_demo import build_tiny_qwen2
 
 try:   # the split regex Qwen2Tokenizer rebuilds its pipeline with
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX

@@ -27,8 +27,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import config  # noqa: E402  (the Config this translates to)
-from errors import UserError  # noqa: E402
+import config  # the Config this translates to
+from errors import UserError
 
 
 class NotCarried(Exception):
