@@ -144,7 +144,7 @@ def sft_tensors(tokenizer, frame: pd.DataFrame) -> tuple[torch.Tensor, torch.Ten
     width = max(len(r) for r in rows)
     # Right padding is fine for teacher forcing: a causal model never attends to later pads.
     input_ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows])  # [N, T]
-    label_ids = torch.tensor([l + [-100] * (width - len(l)) for l in labels])  # [N, T]
+    label_ids = torch.tensor([ids + [-100] * (width - len(ids)) for ids in labels])  # [N, T]
     return input_ids, label_ids
 
 

@@ -69,7 +69,7 @@ def load_from_hub() -> tuple[pd.DataFrame, pd.DataFrame]:
     try:
         import datasets
     except ImportError:
-        raise SystemExit("error: give --train and --test files (pip install datasets to download them instead)")
+        raise SystemExit("error: give --train and --test files (pip install datasets to download them instead)") from None
     try:
         ds = datasets.load_dataset("openai/gsm8k", "main")
     except Exception as e:

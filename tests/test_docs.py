@@ -48,4 +48,4 @@ def test_the_docs_build_with_no_broken_link_or_missing_page(tmp_path):
 
 def test_the_readme_links_only_to_pages_that_exist():
     links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
-    assert links and all((ROOT / link).is_file() for link in links), [l for l in links if not (ROOT / l).is_file()]
+    assert links and all((ROOT / link).is_file() for link in links), [link for link in links if not (ROOT / link).is_file()]
