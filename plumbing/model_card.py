@@ -158,6 +158,7 @@ def _summary(config: dict, history: list[dict], step, adapter: bool, best: dict,
              f"| algorithm | {_algorithm(config)} |",
              f"| steps | {step if step is not None else trained} of {config.get('total_training_steps')} |",
              f"| command | `{command()}` |",
+             f"| processes | {os.environ.get('WORLD_SIZE', '1')} (under `accelerate launch` the command is each rank's) |",
              f"| commit | `{git_commit()}` |",
              "| libraries | " + ", ".join(f"{k} {v}" for k, v in library_versions().items()) + " |",
              "", "**Data**", "", "| role | file | sha256 |", "|---|---|---|"]
