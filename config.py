@@ -134,6 +134,9 @@ class Config:
     mlflow_system_metrics: bool = opt(False, "MLflow samples CPU, memory (and GPU) use of the machine into the run")
     mlflow_log_model: bool = opt(True, "log the final model to the MLflow run as a transformers model (a few "
                                        "seconds even for a tiny model); it is in output_dir/final either way")
+    mlflow_registered_model_name: str = opt("", "register the final model as a new version of this name in MLflow's "
+                                                "model registry, its model card as the description (needs "
+                                                "mlflow_log_model); '' = not registered")
     log_samples: int = opt(16, "validation generations logged to MLflow as a table, per validation")
     peak_tflops: float = opt(0.0, "the device's dense peak TFLOPS at the run's precision, for perf/mfu; 0 = known "
                                   "GPUs by name (flops.py), none on other devices (CPUs): no perf/mfu")
@@ -430,6 +433,9 @@ def validate_config(cfg: Config) -> None:
     need(cfg.lora_rank >= 0, f"lora_rank must be >= 0, got {cfg.lora_rank}")
     need(not (cfg.lora_rank and cfg.ref_model_path),
          f"lora_rank={cfg.lora_rank} uses the base model (adapters disabled) as the reference: drop ref_model_path")
+    need(not cfg.mlflow_registered_model_name or cfg.mlflow_log_model,
+         f"mlflow_registered_model_name={cfg.mlflow_registered_model_name} registers the logged final model: it "
+         "needs mlflow_log_model=true")
     need(cfg.save_total_limit > 0, f"save_total_limit must be > 0, got {cfg.save_total_limit}")
     need(cfg.resume in ("auto", "never") or Path(cfg.resume).is_dir(),
          f"resume must be auto, never or a checkpoint directory; {cfg.resume} does not exist")

@@ -1,4 +1,4 @@
-"""Pure math (verl 0.9.1's definitions, see shared algorithms.md): masked helpers, the advantage
+"""Pure math (verl 0.9.1's definitions, see docs/math.md): masked helpers, the advantage
 estimators, the losses and agg_loss. Tensors in, tensors out; no config objects, no .item(), no
 logging, no collectives. B sequences, T response tokens; mask is 1 on real response tokens.
 """

@@ -5,7 +5,7 @@ critic for GAE (or a critic-free estimator), a frozen reference model for KL reg
 in the reward with a fixed or adaptive controller, and/or KL as a loss; see kl/), dual-clip,
 value clipping, entropy bonus and gradient clipping. The math is verl 0.9.1's, as pure functions in
 core_algos.py; one iteration is the numbered phases of `train_step` (1-7) and of the loop in `main` (8);
-the update is below; what the story leans on lives in modules named by concern (README, Architecture).
+the update is below; what the story leans on lives in modules named by concern (docs/architecture.md).
 
     python train_ppo.py                                    # built-in demo: tiny model, arithmetic, CPU
     python train_ppo.py --config configs/demo.yaml --total_training_steps=20 --output_dir runs/x
@@ -46,7 +46,7 @@ from forward.batch import (forward_in_micro_batches, is_truncated, micro_batches
 from forward import ulysses
 from forward.readouts import _unwrap, critic_values, response_logprobs
 from modeling.loading import load_models, recompute_activations
-from plumbing import config_docs, console, flops, host_memory, lean_imports
+from plumbing import config_docs, console, flops, host_memory, lean_imports, model_card
 from plumbing.checkpoints import (StopSignal, check_resumable, find_checkpoint, load_checkpoint, read_state,
                                   save_checkpoint, save_final)
 from plumbing.dry_run import dry_run
@@ -464,7 +464,7 @@ def setup(cfg: Config) -> Run:
     run.tracker = Tracker(out_dir, accelerator.is_main_process, uri=cfg.mlflow_tracking_uri,
                           experiment=cfg.mlflow_experiment, run_name=cfg.run_name, params=dataclasses.asdict(cfg),
                           tags=tags, system_metrics=cfg.mlflow_system_metrics, resumed=resumed,
-                          log_model=cfg.mlflow_log_model,
+                          log_model=cfg.mlflow_log_model, registered_model_name=cfg.mlflow_registered_model_name,
                           datasets={"training": _split_files(cfg.train_files), "validation": _split_files(cfg.val_files),
                                     "sft": _split_files(cfg.sft_files)})
     return run
@@ -595,7 +595,7 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
         # both engines report them (an engine that did not would count as the actor itself)
         sampler = actor_sampling if reported is None else reported
         is_stats = {}
-        if cfg.rollout_is != "off":   # sampler against actor under one distribution: see the README on top_p/top_k
+        if cfg.rollout_is != "off":   # sampler against actor under one distribution: see docs/configuration.md on top_p/top_k
             batch["is_weights"], is_stats = rollout_is_weights(actor_sampling, sampler, mask, cfg.rollout_is,
                                                                cfg.rollout_is_threshold)
     return Rollouts(batch, sampled.responses, scores, nonfinite, truncated, token_scores, sampler, actor_sampling,
@@ -841,13 +841,15 @@ def validate_and_log(run: Run, step: int, metrics: dict, bar, postfix: dict) -> 
 def checkpoint(run: Run, step: int) -> None:
     """Everything needed to resume exactly: models, optimizers, KL controller, data positions, guards."""
     cfg, accelerator, tracker, guards = run.cfg, run.accelerator, run.tracker, run.guards
-    save_checkpoint(accelerator, run.ds, cfg.output_dir, cfg.save_total_limit, step, run.trained, {
+    path = save_checkpoint(accelerator, run.ds, cfg.output_dir, cfg.save_total_limit, step, run.trained, {
         "config": dataclasses.asdict(cfg), "kl_ctrl": run.kl_ctrl.state_dict(),
         "data": {"epoch": run.stream.epoch, "pos": run.stream.pos},
         "sft_data": {"epoch": run.sft.rows.epoch, "pos": run.sft.rows.pos} if run.sft else None,
         "mlflow_run_id": tracker.run_id, "rollbacks": guards.rollbacks,
         "entropy_reaction": guards.entropy_reaction, "guards": guards.state_dict(), "oom": run.oom.state_dict()},
         {"engine": run.engine.state_dict()})
+    if accelerator.is_main_process:   # what the checkpoint holds and how it came about, for whoever finds it
+        model_card.write_card(path, dataclasses.asdict(cfg), tracker.history, step=step)
 
 
 def main(cfg: Config) -> None:
@@ -910,6 +912,8 @@ def main(cfg: Config) -> None:
             bar.update(1)
 
         final_dir = save_final(accelerator, run.actor, run.tokenizer, Path(cfg.output_dir), run.ds, cfg.lora_save_merged)
+        if final_dir is not None:   # the main process: the model card, before MLflow takes final/
+            model_card.write_final_cards(final_dir, dataclasses.asdict(cfg), tracker.history)
         status = "FINISHED"
         if accelerator.num_processes > 1:
             print(f"rank {accelerator.process_index}/{accelerator.num_processes}: peak memory {peak_memory_gb():.2f} "

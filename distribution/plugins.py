@@ -176,7 +176,7 @@ def gathered_params(engine, ds: bool):
 
     @contextmanager
     def full_params():
-        import deepspeed  # noqa: F401
+        import deepspeed
         offload = engine.optimizer.parameter_offload
         params = list(engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params):

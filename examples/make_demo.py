@@ -13,7 +13,7 @@ then sharpened (see `sharpen`): it already answers in the right format (digits, 
 gets only ~20-40% of sums right, leaving clear room for PPO to show progress within minutes.
 
 `build_char_tokenizer` and `build_tiny_qwen2` are importable, so tests and benchmarks (W1 in
-benchmarks.md) build their tiny models the same way.
+docs/benchmarks.md) build their tiny models the same way.
 """
 
 import random
@@ -30,7 +30,7 @@ EXAMPLES = Path(__file__).resolve().parent
 DATA_DIR = EXAMPLES / "data"
 MODEL_DIR = EXAMPLES / "demo_model"
 
-SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3, the order benchmarks.md fixes
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3, the order W1 fixes (docs/benchmarks.md)
 CHARS = "0123456789+-*=? abcdefghijklmnopqrstuvwxyz." + "\n"  # ids 4..47
 VOCAB_SIZE = 64  # embedding rows; ids 48..63 are unused head-room
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -60,7 +60,7 @@ MAX_NEW_TOKENS = 4  # longest answer "198" plus EOS
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level fast tokenizer: one token per character, ids fixed by benchmarks.md W1."""
+    """Character-level fast tokenizer: one token per character, ids fixed by W1 (docs/benchmarks.md)."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARS:
         vocab[ch] = len(vocab)
@@ -144,7 +144,7 @@ def sft_tensors(tokenizer, frame: pd.DataFrame) -> tuple[torch.Tensor, torch.Ten
     width = max(len(r) for r in rows)
     # Right padding is fine for teacher forcing: a causal model never attends to later pads.
     input_ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows])  # [N, T]
-    label_ids = torch.tensor([l + [-100] * (width - len(l)) for l in labels])  # [N, T]
+    label_ids = torch.tensor([ids + [-100] * (width - len(ids)) for ids in labels])  # [N, T]
     return input_ids, label_ids
 
 

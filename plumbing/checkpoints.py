@@ -43,7 +43,8 @@ GUARD_ADVICE_KEYS = {"actor_lr", "kl_rollback_threshold", "max_rollbacks", "roll
                      "critic_ppo_max_token_len_per_device", "log_prob_max_token_len_per_device"}
 # keys that may change between a checkpoint and its resumption; any other difference is refused
 RESUMABLE_KEYS = {"total_training_steps", "save_freq", "save_total_limit", "resume", "test_freq", "val_before_train",
-                  "mlflow_tracking_uri", "mlflow_experiment", "mlflow_log_model", "run_name", "log_samples", "output_dir",
+                  "mlflow_tracking_uri", "mlflow_experiment", "mlflow_log_model", "mlflow_registered_model_name",
+                  "run_name", "log_samples", "output_dir",
                   "rollout_micro_batch_size", "val_files", "val_temperature", "gradient_checkpointing", "peak_tflops",
                   "malloc_mmap_threshold_mb"} | GUARD_ADVICE_KEYS
 

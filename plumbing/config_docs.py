@@ -1,4 +1,4 @@
-"""--help and the README's config reference (scripts/config_reference.py), both rendered from
+"""--help and the docs' config reference (scripts/config_reference.py), both rendered from
 config.py's Config dataclass: its fields' types, defaults and one-line helps, grouped under the
 `# section` comments of its source. One source, so they cannot drift.
 """

@@ -13,7 +13,7 @@ block, then all ranks sum a flag (a collective every rank reaches, after the blo
 rank failed, all raise PhaseOOM together; `retry` then drops the partial work (`drop`, e.g.
 zeroing accumulated gradients), shrinks the phase's sizes, empties the caches and runs the unit
 again. Under ZeRO-3 a block must hold no collective after the point where an OOM can strike on
-one rank only (README, "OOM reaction": a forward's parameter gathers come before the LM head's
+one rank only (docs/checkpoints.md, "OOM reaction": a forward's parameter gathers come before the LM head's
 allocations, where an OOM usually strikes; a backward or optimizer step that fails mid-way leaves
 the other ranks waiting in a collective, which nothing on this side can end).
 Sizes live here (run state, checkpointed), never in the config.

@@ -23,15 +23,17 @@ CURVES = ("reward/score_mean", "val/accuracy", "kl/mean", "actor/entropy", "crit
 class Tracker:
     def __init__(self, out_dir: Path, enabled: bool, *, uri: str, experiment: str, run_name: str,
                  params: dict, tags: dict, datasets: dict[str, list[str]], system_metrics: bool = False,
-                 resumed: dict | None = None, log_model: bool = True):
+                 resumed: dict | None = None, log_model: bool = True, registered_model_name: str = ""):
         """uri: '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db. params: the whole config.
         datasets: context (training, validation, ...) -> the files, logged as MLflow dataset inputs.
         system_metrics: MLflow's own CPU/memory/GPU sampling of this process's machine.
         log_model: the final model logged to the run at the end (else it is only in final/).
+        registered_model_name: that model also registered as a new version of this name in
+        MLflow's model registry, described by its model card ('' = not registered).
         resumed: a checkpoint's trainer state. Its steps stay in metrics.jsonl (later ones are
         dropped, to be written again) and its MLflow run is continued when the store has it."""
         self.enabled, self.out_dir, self.run_id, self.uri = enabled, out_dir, None, ""
-        self.log_model = log_model
+        self.log_model, self.registered_model_name, self.model_uri = log_model, registered_model_name, ""
         self.history: list[dict] = []
         self._changes = self._drawn = 0   # history's changes so far, and as of curves.png's last drawing
         if not enabled:
@@ -125,7 +127,8 @@ class Tracker:
         self.metrics_file.close()
         self.log_curves()
         if final_dir is not None and self.log_model:
-            self._try("the final model", lambda: self._log_model(final_dir))
+            if self._try("the final model", lambda: self._log_model(final_dir)) and self.registered_model_name:
+                self._try(f"the model version of {self.registered_model_name!r}", lambda: self._register(final_dir))
         unsent = self.sender.close(timeout=60)
         if unsent:
             print(f"warning: MLflow never took the metrics of steps {unsent} (the tracking server was unreachable); "
@@ -139,7 +142,8 @@ class Tracker:
         else (a LoRA adapter) as plain files under final/. Its URI goes in the run's tags."""
         if not (final_dir / "config.json").is_file():
             self.mlflow.log_artifacts(str(final_dir), artifact_path="final")
-            self.mlflow.set_tag("model_uri", f"runs:/{self.run_id}/final")
+            self.model_uri = f"runs:/{self.run_id}/final"
+            self.mlflow.set_tag("model_uri", self.model_uri)
             return
         from importlib.metadata import version
 
@@ -151,7 +155,30 @@ class Tracker:
         info = mlflow.transformers.log_model(
             transformers_model=str(final_dir), name="model", task="text-generation",
             pip_requirements=[f"{lib}=={version(lib)}" for lib in ("torch", "transformers", "accelerate")])
+        self.model_uri = info.model_uri
         self.mlflow.set_tag("model_uri", info.model_uri)
+
+    def _register(self, final_dir: Path) -> None:
+        """The logged final model as a new version in the model registry, its description the card's
+        facts (plumbing/model_card.py); the version goes in the run's tags."""
+        from mlflow.exceptions import MlflowException
+
+        from plumbing.model_card import registry_description
+        name, client = self.registered_model_name, self.mlflow.MlflowClient()
+        card = final_dir / "README.md"
+        description = registry_description(card.read_text()) if card.is_file() else ""
+        if self.model_uri.startswith("models:/"):   # a transformers model: MLflow links the version to it
+            version = self.mlflow.register_model(self.model_uri, name).version
+            client.update_model_version(name, version, description=description)
+        else:   # a LoRA adapter's files: register_model wants a logged model, so the version names their place
+            try:
+                client.create_registered_model(name)
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+            version = client.create_model_version(name, source=f"{self.run.info.artifact_uri}/final",
+                                                  run_id=self.run_id, description=description).version
+        self.mlflow.set_tag("registered_model", f"{name}/{version}")
 
 
 def _log_dataset(mlflow, path: str, context: str) -> None:
@@ -266,24 +293,10 @@ def plot_curves(history: list[dict], path: Path) -> Path:
 def run_tags(world: int, zero_stage: int | None, engine: str, root: Path) -> dict:
     """Tags that say what ran: the git commit (when the code is a checkout), the world size, ZeRO
     stage, rollout engine and the versions of the libraries that decide the numbers."""
-    from importlib.metadata import PackageNotFoundError, version
+    from plumbing.model_card import git_commit, library_versions
     tags = {"world_size": str(world), "zero_stage": "none" if zero_stage is None else str(zero_stage),
-            "rollout_engine": engine}
-    for lib in ("torch", "transformers", "accelerate", "deepspeed", "vllm", "peft", "mlflow"):
-        try:
-            tags[f"version.{lib}"] = version(lib)
-        except PackageNotFoundError:
-            pass
-    commit = _git_commit(root)
-    if commit:
+            "rollout_engine": engine, **{f"version.{lib}": v for lib, v in library_versions().items()}}
+    commit = git_commit(root).split()[0]
+    if commit != "unknown":
         tags["mlflow.source.git.commit"] = commit
     return tags
-
-
-def _git_commit(root: Path) -> str:
-    import subprocess
-    try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() if out.returncode == 0 else ""
-    except (OSError, subprocess.TimeoutExpired):
-        return ""

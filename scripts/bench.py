@@ -1,4 +1,4 @@
-"""W1, W3 and W5 (../shared/benchmarks.md): train_ppo.py against TRL 1.12.0's PPOTrainer, same workload, one run.
+"""W1, W3 and W5 (docs/benchmarks.md): train_ppo.py against TRL 1.12.0's PPOTrainer, same workload, one run.
 
     python scripts/bench.py                          # W1 and W3, 3 repeats each (about 20 min on an idle 2-core machine)
     python scripts/bench.py --workloads w1 --repeats 1 --iterations 3     # a quick check

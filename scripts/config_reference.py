@@ -1,9 +1,10 @@
-"""Rewrite the README's generated tables: the config reference (from config.py's Config, the
-source of --help too), verl's keys (from scripts/verl_to_config.py's own mapping) and TRL's
-PPOConfig fields (from TRL_FIELDS below), so none of them can drift from the code.
+"""Rewrite the docs' generated tables: the config reference (docs/config-reference.md, from
+config.py's Config, the source of --help too), verl's keys (from scripts/verl_to_config.py's own
+mapping) and TRL's PPOConfig fields (from TRL_FIELDS below; both in docs/migrating.md), so none of
+them can drift from the code.
 
-    python scripts/config_reference.py           # rewrite README.md in place
-    python scripts/config_reference.py --check   # exit 1 if README.md is out of date
+    python scripts/config_reference.py           # rewrite the pages in place
+    python scripts/config_reference.py --check   # exit 1 if a page is out of date
 """
 import sys
 from pathlib import Path
@@ -100,22 +101,29 @@ def verl_table() -> str:
     return "\n".join(out)
 
 
-BLOCKS = {"config-reference": config_table, "verl-keys": verl_table, "trl-keys": trl_table}
+# page (under docs/) -> the blocks it holds, each between <!-- name:start --> and <!-- name:end -->
+PAGES = {"config-reference.md": {"config-reference": config_table},
+         "migrating.md": {"verl-keys": verl_table, "trl-keys": trl_table}}
 
 
-def render(readme: str) -> str:
-    for name, make in BLOCKS.items():
+def render(text: str, blocks: dict) -> str:
+    for name, make in blocks.items():
         start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-        head, rest = readme.split(start, 1)
+        head, rest = text.split(start, 1)
         _, tail = rest.split(end, 1)
-        readme = f"{head}{start}\n{make().rstrip()}\n{end}{tail}"
-    return readme
+        text = f"{head}{start}\n{make().rstrip()}\n{end}{tail}"
+    return text
 
 
 if __name__ == "__main__":
-    path = ROOT / "README.md"
-    text = path.read_text()
-    new = render(text)
-    if "--check" in sys.argv[1:]:
-        sys.exit(0 if new == text else "README.md's generated tables are out of date: run python scripts/config_reference.py")
-    path.write_text(new)
+    stale = []
+    for page, blocks in PAGES.items():
+        path = ROOT / "docs" / page
+        text = path.read_text()
+        new = render(text, blocks)
+        if new != text:
+            stale.append(f"docs/{page}")
+            if "--check" not in sys.argv[1:]:
+                path.write_text(new)
+    if "--check" in sys.argv[1:] and stale:
+        sys.exit(f"{', '.join(stale)}: generated tables out of date: run python scripts/config_reference.py")

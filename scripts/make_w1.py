@@ -1,4 +1,4 @@
-"""Build the W1 benchmark's models and prompts (../shared/benchmarks.md), offline and seeded.
+"""Build the W1 benchmark's models and prompts (docs/benchmarks.md), offline and seeded.
 
     python scripts/make_w1.py [--out runs/w1_assets]
 
@@ -17,7 +17,7 @@ import torch
 from transformers import Qwen2ForSequenceClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from make_demo import build_char_tokenizer, build_tiny_qwen2  # noqa: E402
+from make_demo import build_char_tokenizer, build_tiny_qwen2
 
 W1_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256)

@@ -1,4 +1,4 @@
-"""Build the W3 benchmark's tokenizer, models and prompts (../shared/benchmarks.md), offline and seeded.
+"""Build the W3 benchmark's tokenizer, models and prompts (docs/benchmarks.md), offline and seeded.
 
     python scripts/make_w3.py [--out runs/w3_assets]      # about 10-15 s on 2 CPU cores
 
@@ -34,7 +34,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2ForSequenceClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from make_demo import build_tiny_qwen2  # noqa: E402
+from make_demo import build_tiny_qwen2
 
 try:   # the split regex Qwen2Tokenizer rebuilds its pipeline with
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -44,12 +44,12 @@ except ImportError:  # pragma: no cover - older transformers: Qwen2's published 
 
 SEED = 0
 VOCAB_SIZE = 32768
-SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3, as benchmarks.md fixes
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3, as docs/benchmarks.md fixes
 N_WORD_TYPES = 32000        # distinct synthetic "words"
 CORPUS_WORDS = 600_000      # words of training text (~4 MB)
 WORDS_PER_LINE = 50
 PROMPT_WORDS = (10, 100)    # words per prompt, inclusive
-PROMPT_TOKENS = (22, 241)   # tokens per prompt, inclusive (benchmarks.md)
+PROMPT_TOKENS = (22, 241)   # tokens per prompt, inclusive (docs/benchmarks.md)
 LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
 
 W3_SHAPE = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=4,

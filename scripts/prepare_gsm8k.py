@@ -24,9 +24,9 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from errors import UserError  # noqa: E402
-from prompts import sets  # noqa: E402  (its read_table: one reader of parquet/jsonl files)
-from rewards.gsm8k import extract_answer  # noqa: E402  (one definition of "the number after ####")
+from errors import UserError
+from prompts import sets  # its read_table: one reader of parquet/jsonl files
+from rewards.gsm8k import extract_answer  # one definition of "the number after ####"
 
 # verl's examples/data_preprocess/gsm8k.py uses this exact instruction, so results compare.
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -69,7 +69,7 @@ def load_from_hub() -> tuple[pd.DataFrame, pd.DataFrame]:
     try:
         import datasets
     except ImportError:
-        raise SystemExit("error: give --train and --test files (pip install datasets to download them instead)")
+        raise SystemExit("error: give --train and --test files (pip install datasets to download them instead)") from None
     try:
         ds = datasets.load_dataset("openai/gsm8k", "main")
     except Exception as e:

@@ -27,8 +27,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import config  # noqa: E402  (the Config this translates to)
-from errors import UserError  # noqa: E402
+import config  # the Config this translates to
+from errors import UserError
 
 
 class NotCarried(Exception):
@@ -311,9 +311,9 @@ HINTS = {
     R + "layered_summon": "LoRA weights are merged and sent layer by layer already",
     R + "dtype": "the rollout follows dtype",
     "reward_model.rollout.*": "a reward model served by its own vLLM engine (e.g. a generative judge) is not built "
-                              "yet (README, Coming from verl): use reward_model_path (a scoring head) or reward_fn",
+                              "yet (docs/migrating.md): use reward_model_path (a scoring head) or reward_fn",
     "reward_model.use_reward_loop": "a reward model served by its own vLLM engine (e.g. a generative judge) is not "
-                                    "built yet (README, Coming from verl): use reward_model_path or reward_fn",
+                                    "built yet (docs/migrating.md): use reward_model_path or reward_fn",
     "*.checkpoint.*": "checkpoints always hold weights, optimizer states and every RNG (see save_freq)",
 }
 

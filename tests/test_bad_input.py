@@ -123,6 +123,11 @@ def test_values_the_optimizer_or_sampler_would_refuse_are_named(override, key):
     assert key in text and override.split("=")[1] in text
 
 
+def test_registering_a_model_that_is_not_logged_is_refused():
+    text = message(lambda: load_config(["--mlflow_registered_model_name=demo", "--mlflow_log_model=false"]))
+    assert "mlflow_registered_model_name=demo" in text and "mlflow_log_model" in text
+
+
 def run(tmp_path, *args):
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
     return forkserver.run([sys.executable, str(ROOT / "train_ppo.py"), "--mlflow_log_model=false", *args],

@@ -288,7 +288,7 @@ def run_until_checkpoint_then(cmd, env, out, step, act) -> tuple[int, float, str
         proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError("the launch was still running 2 minutes after a rank was stopped")
+        raise AssertionError("the launch was still running 2 minutes after a rank was stopped") from None
     took = time.time() - acted
     log.seek(0)
     return proc.returncode, took, log.read()

@@ -53,7 +53,8 @@ def short_run(tmp_path_factory):
     out = tmp / "out"
     proc = run(tmp, f"--output_dir={out}", "--total_training_steps=3", "--test_freq=2", "--use_kl_loss=true",
                "--rollout_is=token", "--log_prob_micro_batch_size_per_device=32", "--critic_gradient_checkpointing=true",
-               "--peak_tflops=1", "--mlflow_log_model=true", *FAST)
+               "--peak_tflops=1", "--mlflow_log_model=true", "--save_freq=2", "--mlflow_registered_model_name=demo-ppo",
+               *FAST)
     return tmp, out, proc
 
 
@@ -128,6 +129,45 @@ def test_short_run_final_model_loads(short_run):
     assert changed, "final/ holds the initial weights: training did not update the actor"
     ids = tok("12+34=", add_special_tokens=False, return_tensors="pt")["input_ids"]
     assert model(ids).logits.shape[-1] == model.config.vocab_size
+
+
+def card_facts(out, records) -> list[str]:
+    """What a card of this run must say, from the run's own outputs: base model, data hashes, the
+    final validation figure, the command, the commit, a library version."""
+    import hashlib
+    from importlib.metadata import version
+
+    import yaml
+
+    from plumbing.model_card import git_commit
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    last_val = [r for r in records if "val/accuracy" in r][-1]
+    return [cfg["model_path"], f"| `val/accuracy` | {last_val['val/accuracy']:.4g} |", f"--output_dir={out}",
+            git_commit().split()[0], f"transformers {version('transformers')}",
+            *(hashlib.sha256(open(f, "rb").read()).hexdigest() for f in (cfg["train_files"], cfg["val_files"]))]
+
+
+def test_short_run_final_model_card_and_registered_version(short_run):
+    """final/README.md and each checkpoint's carry the run's facts; with mlflow_registered_model_name
+    the final model is a new version in MLflow's model registry, described by the same facts."""
+    from huggingface_hub import ModelCard
+    from mlflow.tracking import MlflowClient
+    tmp, out, proc = short_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = card_facts(out, read_metrics(out))
+    card = ModelCard.load(out / "final" / "README.md")
+    assert card.data.base_model == str(DEMO_MODEL) and card.data.library_name == "transformers"
+    missing = [f for f in facts if f not in card.text]
+    assert not missing, missing
+    assert "![learning curves](../curves.png)" in card.text and (out / "final" / "../curves.png").is_file()
+    for step in (2, 3):   # save_freq=2 and the last step
+        assert f"checkpoint at step {step}" in (out / "checkpoints" / f"step_{step}" / "README.md").read_text()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
+    (run_,) = client.search_runs([client.get_experiment_by_name("ppo").experiment_id])
+    (registered,) = client.search_model_versions("name='demo-ppo'")
+    assert registered.run_id == run_.info.run_id and run_.data.tags["registered_model"] == "demo-ppo/1"
+    missing = [f for f in facts if f not in registered.description]
+    assert not missing, missing
 
 
 def test_unknown_key_is_named_before_any_model_loads(tmp_path):
@@ -241,6 +281,22 @@ def test_sampler_drift_regenerates_the_step_on_policy(tmp_path):
         assert r["rollout_is/weight_max"] == pytest.approx(1.0, abs=1e-5)
 
 
+def check_adapter_cards(tmp_path, out, records):
+    """PEFT's empty template replaced by the adapter's card, the merged model's card, and the
+    adapter registered as a model version from its files."""
+    from huggingface_hub import ModelCard
+    from mlflow.tracking import MlflowClient
+    facts = card_facts(out, records)
+    adapter = ModelCard.load(out / "final" / "README.md")
+    assert adapter.data.library_name == "peft" and "LoRA rank 8" in adapter.text
+    for text in (adapter.text, (out / "final" / "merged" / "README.md").read_text()):
+        missing = [f for f in facts if f not in text]
+        assert not missing, missing
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    (registered,) = client.search_model_versions("name='demo-lora'")
+    assert registered.source.endswith("/final") and "LoRA rank 8" in registered.description
+
+
 @pytest.mark.slow
 def test_lora_actor_with_vllm_sync_and_adapter_disabled_reference(tmp_path):
     """LoRA: only adapters train; the reference is the base model with adapters off; vLLM gets the
@@ -250,9 +306,11 @@ def test_lora_actor_with_vllm_sync_and_adapter_disabled_reference(tmp_path):
     from transformers import AutoModelForCausalLM
     out = tmp_path / "out"
     proc = run(tmp_path, f"--output_dir={out}", "--lora_rank=8", "--use_kl_loss=true", "--lora_save_merged=true",
-               "--rollout_engine=vllm", "--actor_lr=1e-3", "--total_training_steps=3", "--test_freq=3", *FAST)
+               "--rollout_engine=vllm", "--actor_lr=1e-3", "--total_training_steps=3", "--test_freq=3", *FAST,
+               "--mlflow_log_model=true", "--mlflow_registered_model_name=demo-lora")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(out)
+    check_adapter_cards(tmp_path, out, records)
     assert records[1]["kl/mean"] == pytest.approx(0.0, abs=1e-6)   # adapters start at zero: policy == base
     assert records[3]["kl/mean"] > 1e-3                             # the adapters moved the policy off the base
     assert all(r["rollout/logprob_diff"] < 1e-3 for r in records[1:])   # merged weights reached vLLM

@@ -1,7 +1,7 @@
 """Tests for kl/: estimators (hand-worked values, exact KL of small categoricals, straight-through
 gradients, name errors) and controllers (direction, clipping, validation, checkpoint round-trip).
 
-Every expected number below is worked out by hand from the definitions in shared/algorithms.md.
+Every expected number below is worked out by hand from the definitions in verl 0.9.1's code (docs/math.md).
 Run from the repo root: python -m pytest tests/test_kl.py -q
 """
 

@@ -1,7 +1,10 @@
-"""The tree shows the layers (README, Architecture; shared house-style.md): each module imports
+"""The tree shows the layers (docs/architecture.md): each module imports
 only its own layer or lower, nothing imports train_ppo.py (it runs as __main__), and our modules
 import no cycle. Read from the source with ast, without importing anything."""
 import ast
+import io
+import re
+import tokenize
 import subprocess
 from pathlib import Path
 
@@ -125,3 +128,66 @@ def test_the_check_fails_on_an_upward_import(module, imported):
 def test_the_cycle_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+# What points outside the repository: a path that climbs out of a directory (paths here are written
+# from the repository's root, so any climb leaves it), or a Markdown file named by a path or a bare
+# name that no file in the repository has. Web addresses are not paths. In Python
+# files the prose is read (docstrings and comments): string literals are data, such as a run's
+# output paths.
+URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
+CLIMB = re.compile(r"(?:\.\./)+[\w./-]*")
+MD_NAME = re.compile(r"[\w./-]*\w\.md\b")
+
+
+def outside_references(path: str, text: str, md_files: set[str]) -> list[str]:
+    """The references in `text` (the file at repository path `path`) to files outside the repository."""
+    text, found = URL.sub(" ", text), []
+    found += CLIMB.findall(text)
+    names = {Path(p).name for p in md_files}
+    for ref in MD_NAME.findall(text):
+        ref = ref.lstrip("./") if not ref.startswith("../") else ref
+        if ref not in md_files and Path(ref).name not in names and ref not in found:
+            found.append(ref)
+    return found
+
+
+def prose(path: str, text: str) -> str:
+    """What a person reads as a reference: the whole of a text file; a Python file's docstrings and comments."""
+    if not path.endswith(".py"):
+        return text
+    tree = ast.parse(text)
+    docs = [ast.get_docstring(n) or "" for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    comments = [tok.string for tok in tokenize.generate_tokens(io.StringIO(text).readline) if tok.type == tokenize.COMMENT]
+    return "\n".join(docs + comments)
+
+
+def repository_files() -> list[str]:
+    return subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_nothing_in_the_repository_points_outside_it():
+    files = [p for p in repository_files() if (ROOT / p).is_file()]
+    md_files = {p for p in files if p.endswith(".md")}
+    bad = []
+    for p in files:
+        try:
+            text = (ROOT / p).read_text()
+        except UnicodeDecodeError:   # model weights, parquet: not text
+            continue
+        bad += [f"{p}: {ref}" for ref in outside_references(p, prose(p, text), md_files)]
+    assert not bad, "references to files outside the repository:\n" + "\n".join(bad)
+
+
+def test_the_outside_reference_check_reads_python_prose_only():
+    code = '"""W1 (../shared/benchmarks.md)."""\nCARD = "../curves.png"  # a run\'s output, not a reference\n'
+    assert outside_references("x.py", prose("x.py", code), set()) == ["../shared/benchmarks.md"]
+
+
+def test_the_outside_reference_check_finds_them():
+    md = {"README.md", "docs/benchmarks.md"}
+    assert outside_references("scripts/bench.py", "W1 (../shared/benchmarks.md)", md) == ["../shared/benchmarks.md"]
+    assert outside_references("core_algos.py", "see shared algorithms.md", md) == ["algorithms.md"]
+    assert outside_references("docs/x.md", "[W1](benchmarks.md), README.md, https://h.io/a/design.md", md) == []

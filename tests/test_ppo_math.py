@@ -1,6 +1,6 @@
 """Tests for the pure math and the config layer of train_ppo.py.
 
-Every expected number is worked out by hand from shared/algorithms.md (verl 0.9.1's definitions)
+Every expected number is worked out by hand from verl 0.9.1's definitions (docs/math.md)
 and written as arithmetic; GAE is also checked against a naive scalar loop in the sum form
 A_t = sum_k (gamma * lam)^(k - t) * delta_k. Nothing here imports verl.
 Run from the repo root: python -m pytest tests/test_ppo_math.py -q

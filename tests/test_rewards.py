@@ -82,7 +82,7 @@ def test_marked_as_verifier():
 
 
 # ----------------------------------------------------------------------------------------------
-# Tokenizer (ids fixed by benchmarks.md W1)
+# Tokenizer (ids fixed by W1, docs/benchmarks.md)
 
 # Written out from the spec, not imported: the test must catch a drift in make_demo's table.
 SPEC_CHARS = "0123456789+-*=? abcdefghijklmnopqrstuvwxyz." + "\n"

@@ -3,7 +3,6 @@ unsplit one, and what cannot work is refused in one line naming the key."""
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 

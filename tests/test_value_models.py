@@ -295,7 +295,7 @@ def test_registry_wide_critic_values_and_reward_scores(tmp_path):
     assert set(CRITIC_GAPS) <= set(failures), f"now passing, drop from CRITIC_GAPS: {set(CRITIC_GAPS) - set(failures)}"
 
 
-# families whose critic/reward readout this check does not yet prove (open gaps of issue 18, in the README)
+# families whose critic/reward readout this check does not yet prove (open gaps of issue 18, in docs/architecture.md)
 CRITIC_GAPS: dict[str, str] = {}
 
 

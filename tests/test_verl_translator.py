@@ -376,12 +376,12 @@ def test_gpus_and_nodes_make_the_launch_line():
 
 def test_a_reward_model_served_by_vllm_is_reported_not_built():
     """reward_model.rollout.* and use_reward_loop (a generative judge on its own vLLM engine): not
-    carried, each with the reason and the README section that says why not yet."""
+    carried, each with the reason and the docs page that says why not yet."""
     t = v2c.translate(v2c.resolve(v2c.read_verl([], [
         "reward_model.use_reward_loop=True", "reward_model.rollout.name=vllm",
         "reward_model.rollout.gpu_memory_utilization=0.5", "reward_model.rollout.tensor_model_parallel_size=1"])))
     assert not t.carried and len(t.not_carried) == 4
-    assert all("not built yet" in why and "README" in why for _, _, why in t.not_carried)
+    assert all("not built yet" in why and "docs/migrating.md" in why for _, _, why in t.not_carried)
 
 
 @pytest.mark.parametrize("script", sorted((ROOT / "tests" / "data" / "verl_scripts").glob("*.txt")),

@@ -18,13 +18,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from accelerate import Accelerator                                     # noqa: E402
-from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs   # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM                 # noqa: E402
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from forward import packing, readouts, ulysses                         # noqa: E402
-from forward.batch import pack_batch                                   # noqa: E402
-from modeling import value_models                                      # noqa: E402
+from forward import packing, readouts, ulysses
+from forward.batch import pack_batch
+from modeling import value_models
 
 TEMPERATURE, TRUNCATION, LR = 0.7, (5, 0.9), 1.0
 # SGD, not AdamW: Adam's first step is lr * g / (|g| + eps), which turns fp32 rounding of gradients near
