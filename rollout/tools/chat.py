@@ -67,7 +67,7 @@ class ChatFormat:
         before = self.render(messages, add_generation_prompt=False)
         after = self.render(messages + [{"role": "tool", "content": o} for o in observations],
                             add_generation_prompt=True)
-        _require_prefix(before, after, "appending a tool message", self.name)
+        self.require_prefix(before, after, "appending a tool message")
         stops = [i for i, t in enumerate(before) if t in self.stop_ids]
         if not stops:
             raise UserError(f"chat template: no stop token {sorted(self.stop_ids)} ends the assistant turn; "
@@ -80,14 +80,25 @@ class ChatFormat:
     def mismatch(self, trajectory: list[int], rendering: list[int], where: str) -> str:
         """The one line that names the template, the turn and the first token where the trajectory
         differs from the template's rendering of the same conversation."""
-        at = next((i for i, (a, b) in enumerate(zip(trajectory, rendering)) if a != b),
-                  min(len(trajectory), len(rendering)))
-        token = lambda ids: repr(self.tokenizer.decode(ids[at:at + 1])) if at < len(ids) else "(its end)"   # noqa: E731
+        at, ours, theirs = self.first_difference(trajectory, rendering)
         return (f"chat template {self.name}: {where}, the trajectory differs from the template's rendering of the "
-                f"conversation so far at token {at}: the trajectory has {token(trajectory)}, the template renders "
-                f"{token(rendering)} (a template that rewrites earlier turns, e.g. strips reasoning, or text that "
-                f"tokenizes differently once decoded), so training would use a context the model never sees at "
-                f"inference; templates that work: {WORKING_TEMPLATES}")
+                f"conversation so far at token {at}: the trajectory has {ours}, the template renders {theirs} (a "
+                f"template that rewrites earlier turns, e.g. strips reasoning, or text that tokenizes differently "
+                f"once decoded), so training would use a context the model never sees at inference; templates that "
+                f"work: {WORKING_TEMPLATES}")
+
+    def require_prefix(self, shorter: list[int], longer: list[int], what: str) -> None:
+        if longer[:len(shorter)] != shorter:
+            at, was, becomes = self.first_difference(shorter, longer)
+            raise UserError(f"chat template {self.name} is not prefix-preserving: {what} changes the tokens before "
+                            f"it (token {at}: {was} becomes {becomes}), so tool turns cannot be appended token by "
+                            f"token; templates that work: {WORKING_TEMPLATES}")
+
+    def first_difference(self, a: list[int], b: list[int]) -> tuple[int, str, str]:
+        """The first position where two id lists differ, and each one's token there, decoded."""
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        token = lambda ids: repr(self.tokenizer.decode(ids[at:at + 1])) if at < len(ids) else "nothing (it ends)"   # noqa: E731
+        return at, token(a), token(b)
 
 
 def template_name(tokenizer) -> str:
@@ -102,25 +113,33 @@ def template_name(tokenizer) -> str:
 def check_template(chat: ChatFormat) -> None:
     """Refuse (one line) a template under which appending a turn changes the tokens before it, or under
     which a trajectory built token by token on the probe conversation is not the template's rendering."""
+    try:
+        _probe_renderings(chat)
+        _probe_trajectory(chat)
+    except UserError as e:
+        raise UserError(f"startup probe: {e}") from None
+
+
+def _probe_renderings(chat: ChatFormat) -> None:
+    """Each rendering of the probe, turn by turn, is a token prefix of the next; tool messages show."""
     messages, renders = [_PROBE_SYSTEM, _PROBE_USER], []
     try:
         renders.append(("the generation prompt", chat.render(messages, True)))
-        for reply, tool_texts in _PROBE_TURNS:
+        for turn, (reply, tool_texts) in enumerate(_PROBE_TURNS, start=1):
             messages = messages + [{"role": "assistant", "content": reply}]
-            renders.append(("an assistant turn", chat.render(messages, False)))
+            renders.append((f"assistant turn {turn}", chat.render(messages, False)))
             if tool_texts:
                 messages = messages + [{"role": "tool", "content": t} for t in tool_texts]
-                renders.append(("a tool message", chat.render(messages, True)))
+                renders.append((f"the tool messages after turn {turn}", chat.render(messages, True)))
     except Exception as e:   # jinja errors: e.g. a template that raises on the "tool" role
         raise UserError(f"chat template {chat.name} cannot render a tool conversation ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}); templates that work: {WORKING_TEMPLATES}") from None
     for (_, shorter), (what, longer) in zip(renders, renders[1:]):
-        _require_prefix(shorter, longer, f"appending {what}", chat.name)
+        chat.require_prefix(shorter, longer, f"appending {what}")
     tool_part = chat.tokenizer.decode(renders[2][1][len(renders[1][1]):])
     if "42" not in tool_part:
         raise UserError(f"chat template {chat.name} drops tool messages (the tool output is not in its rendering); "
                         f"templates that work: {WORKING_TEMPLATES}")
-    _probe_trajectory(chat)
 
 
 def _probe_trajectory(chat: ChatFormat) -> None:
@@ -135,16 +154,5 @@ def _probe_trajectory(chat: ChatFormat) -> None:
         messages = messages + [{"role": "assistant", "content": reply}]
         if not tool_texts:
             break
-        try:
-            context = context + chat.observation_ids(messages, tool_texts, context, turn + 1)
-        except UserError as e:
-            raise UserError(f"startup probe: {e}") from None
+        context = context + chat.observation_ids(messages, tool_texts, context, turn + 1)
         messages = messages + [{"role": "tool", "content": t} for t in tool_texts]
-
-
-def _require_prefix(shorter: list[int], longer: list[int], what: str, name: str = "") -> None:
-    if longer[:len(shorter)] != shorter:
-        at = next((i for i, (a, b) in enumerate(zip(shorter, longer)) if a != b), min(len(shorter), len(longer)))
-        raise UserError(f"chat template {name + ' ' if name else ''}is not prefix-preserving: {what} changes the "
-                        f"tokens before it (first difference at token {at}), so tool turns cannot be appended token "
-                        f"by token; templates that work: {WORKING_TEMPLATES}")
