@@ -135,6 +135,22 @@ def test_generated_ids_that_retokenize_differently_stop_the_run(calc):
     assert f"at token {at}: the trajectory has '<', the template renders '<tool_call>'" in message
 
 
+def test_an_id_beyond_the_tokenizer_stops_the_run_naming_it(calc):
+    """A model's embedding may have rows past the tokenizer's vocabulary (examples/demo_tools_model has
+    112 for 108 tokens) and sampling may pick one: it decodes to no text, so the rendering lacks it."""
+    tokenizer = qwen_style_tokenizer()
+    chat = ChatFormat(tokenizer, calc.schemas)
+    spare = len(tokenizer) + 2
+    call = tokenizer(call_text("calculator", {"expression": "6*7"}), add_special_tokens=False)["input_ids"]
+    engine = FixedTurns([call[:5] + [spare] + call[5:] + [tokenizer.eos_token_id]])
+    prompt = [{"role": "user", "content": "What is 6*7?"}]
+    with pytest.raises(UserError) as e:
+        run_multiturn(engine, chat, [prompt], [ToolEnvironment(calc)], SamplingParams(temperature=1.0), 10_000, 4)
+    at = len(chat.prompt_ids(prompt)) + 5
+    assert (f"at token {at}: the trajectory has id {spare}, which the tokenizer cannot decode (it has "
+            f"{len(tokenizer)} tokens), the template renders {tokenizer.decode(call[5:6])!r}") in str(e.value)
+
+
 def _byte_level_table() -> list[str]:
     """GPT-2's byte -> printable character table (the ByteLevel vocabulary's spelling of each byte)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

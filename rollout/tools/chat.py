@@ -97,8 +97,14 @@ class ChatFormat:
     def first_difference(self, a: list[int], b: list[int]) -> tuple[int, str, str]:
         """The first position where two id lists differ, and each one's token there, decoded."""
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        token = lambda ids: repr(self.tokenizer.decode(ids[at:at + 1])) if at < len(ids) else "nothing (it ends)"   # noqa: E731
-        return at, token(a), token(b)
+        return at, self._token(a, at), self._token(b, at)
+
+    def _token(self, ids: list[int], at: int) -> str:
+        if at >= len(ids):
+            return "nothing (it ends)"
+        if ids[at] >= len(self.tokenizer):   # a model's spare embedding rows: sampled, but no text to render
+            return f"id {ids[at]}, which the tokenizer cannot decode (it has {len(self.tokenizer)} tokens)"
+        return f"{self.tokenizer.decode(ids[at:at + 1])!r}"
 
 
 def template_name(tokenizer) -> str:
