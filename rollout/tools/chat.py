@@ -24,9 +24,9 @@ WORKING_TEMPLATES = ("ChatML with tool messages as Qwen2.5 renders them (<tool_c
 _PROBE_SYSTEM = {"role": "system", "content": "You are a careful assistant."}
 _PROBE_USER = {"role": "user", "content": "What are 6*7 and 2**10, and is 1/0 defined?"}
 _PROBE_TURNS = [   # (assistant turn, the tool messages that follow it)
-    ('<think>\nI should use the calculator.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": '
-     '{"expression": "6*7"}}\n</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": '
-     '{"expression": "1/0"}}\n</tool_call>', ["42", "error: calculator: ZeroDivisionError: division by zero"]),
+    (('<think>\nI should use the calculator.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": '
+      '{"expression": "6*7"}}\n</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": '
+      '{"expression": "1/0"}}\n</tool_call>'), ["42", "error: calculator: division by zero"]),
     ('<think>\n\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2**10"}}\n</tool_call>',
      ["1024"]),
     ("<think>\nBoth are known now.\n</think>\n\n6*7 = 42, 2**10 = 1024, and 1/0 is undefined.", []),
