@@ -4,6 +4,7 @@ reader opens after train_ppo.py; it leans only on the math's names (kl/, core_al
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import sys
 import typing
@@ -19,7 +20,14 @@ HERE = Path(__file__).resolve().parent
 
 
 def opt(default, help: str):
+    if isinstance(default, dict):   # a mutable default: each Config gets its own copy
+        return field(default_factory=lambda: dict(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+def default_of(f):
+    """A Config field's default value (a dict-valued key's, through its factory)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 @dataclass
@@ -65,6 +73,8 @@ class Config:
     train_files: str = opt(str(HERE / "examples/data/train.parquet"), "training prompts: parquet or jsonl files, comma-separated")
     val_files: str = opt(str(HERE / "examples/data/val.parquet"), "validation prompts (same format); '' = no validation")
     prompt_key: str = opt("prompt", "column holding the prompt: a string, or a list of chat messages")
+    chat_template_kwargs: dict = opt({}, "keyword arguments for every chat template rendering (prompts, tool turns, "
+                                         "validation), e.g. {enable_thinking: false}; on the command line as JSON")
     max_prompt_length: int = opt(16, "prompt tokens at most")
     prompt_truncation: str = opt("error", "what to do with a longer prompt: error | left (keep its last tokens) | "
                                           "drop (leave the row out, counted in the log; verl's filter_overlong_prompts)")
@@ -359,6 +369,8 @@ def _coerce(key: str, value):
             return None
     if key == "tools" and isinstance(value, (list, tuple)):   # a YAML list of specs
         value = ",".join(str(v) for v in value)
+    if kind is dict:
+        return _mapping(key, value)
     try:
         if kind is bool:
             if isinstance(value, bool):
@@ -379,6 +391,22 @@ def _coerce(key: str, value):
         return str(value)
     except ValueError:
         raise UserError(f"config key {key!r} expects {kind.__name__}, got {value!r}") from None
+
+
+def _mapping(key: str, value) -> dict:
+    """A dict-valued key: a YAML mapping, or JSON text (the command line), with string keys."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        import json
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as e:
+            raise UserError(f"config key {key!r} expects a mapping (JSON on the command line, e.g. "
+                            f"--{key}='{{\"enable_thinking\": false}}'), got {value!r}: {e.msg}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise UserError(f"config key {key!r} expects a mapping with string keys, got {value!r}")
+    return dict(value)
 
 
 def validate_config(cfg: Config) -> None:

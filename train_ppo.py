@@ -430,7 +430,8 @@ def setup(cfg: Config) -> Run:
     scorer = Scorer(cfg, tokenizer, None)
     read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
                                       cfg.prompt_truncation, scorer.dataset_columns(TRAJECTORY_COLUMNS if tools else ()),
-                                      cfg.reward_fn, keep_rows=tools is not None)
+                                      cfg.reward_fn, keep_rows=tools is not None,
+                                      template_kwargs=cfg.chat_template_kwargs)
     train, val = read(cfg.train_files), (read(cfg.val_files) if cfg.val_files else None)
     steps = total_steps(cfg, len(train.ids))
     sft = SFTStream(load_sft(cfg, tokenizer), sft_batch_size(cfg, dp), cfg.seed, dp_rank, dp,

@@ -31,7 +31,7 @@ def key_type(config, f) -> str:
 
 
 def key_default(f) -> str:
-    value = f.default
+    value = f.default_factory() if f.default is dataclasses.MISSING else f.default   # a dict-valued key's
     if isinstance(value, str) and value.startswith(str(HERE)):
         value = os.path.relpath(value, HERE)   # the demo's files, shipped next to train_ppo.py
     return repr(value) if isinstance(value, str) else str(value)

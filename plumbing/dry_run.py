@@ -7,7 +7,7 @@ import dataclasses
 import importlib
 import os
 
-from config import Config, critic_checkpointing, schedule
+from config import Config, critic_checkpointing, default_of, schedule
 from distribution import plugins as distributed
 from distribution.prepare import check_world_size
 from errors import UserError
@@ -34,7 +34,8 @@ def dry_run(cfg: Config) -> bool:
     # a trajectory provides what a multi-turn reward takes beyond the data (messages, tool_calls, ...)
     columns = Scorer(cfg, tokenizer, None).dataset_columns(TRAJECTORY_COLUMNS if tools else ())
     read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
-                                      cfg.prompt_truncation, columns, cfg.reward_fn, keep_rows=tools is not None)
+                                      cfg.prompt_truncation, columns, cfg.reward_fn, keep_rows=tools is not None,
+                                      template_kwargs=cfg.chat_template_kwargs)
     longest_with_tools = 0
 
     def count(files: str) -> int:
@@ -81,7 +82,7 @@ def dry_run(cfg: Config) -> bool:
     if rank != 0:
         return True
     changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)
-               if getattr(cfg, f.name) != f.default}
+               if getattr(cfg, f.name) != default_of(f)}
     print(f"config: {len(changed)} keys differ from the defaults: "
           + ", ".join(f"{k}={v}" for k, v in changed.items()))
     print("data: " + ", ".join(f"{n} {k} rows" for k, n in counts.items()) + "; every file read and checked")

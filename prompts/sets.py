@@ -64,8 +64,9 @@ class PromptSet:
 
 
 def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str, columns=(), reward_fn="",
-                 keep_rows: bool = False) -> PromptSet:
-    """Prompts from parquet/jsonl files, tokenized; every problem names the file (and row)."""
+                 keep_rows: bool = False, template_kwargs: dict | None = None) -> PromptSet:
+    """Prompts from parquet/jsonl files, tokenized; every problem names the file (and row).
+    template_kwargs: chat_template_kwargs, for prompts given as chat messages."""
     out = PromptSet([], [], {c: [] for c in columns})
     for path in _split_files(files):
         frame = read_table(path)
@@ -77,7 +78,7 @@ def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str,
                                 f"{list(frame.columns)}")
         kept = []
         for row, prompt in enumerate(frame[key]):
-            text = _render_prompt(prompt, tokenizer, path, row, f"{key!r} (prompt_key)")
+            text = _render_prompt(prompt, tokenizer, path, row, f"{key!r} (prompt_key)", template_kwargs)
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
             if not tokens and text.strip():
                 raise UserError(f"{path}: row {row}: the tokenizer of model_path turns the prompt {text[:60]!r} into no "
@@ -118,7 +119,8 @@ def load_sft(cfg: Config, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
             if column not in frame.columns:
                 raise UserError(f"{path}: no column {column!r} ({key}); its columns are {list(frame.columns)}")
         for row, (prompt, response) in enumerate(zip(frame[cfg.sft_prompt_key], frame[cfg.sft_response_key])):
-            p = tokenizer(_render_prompt(prompt, tokenizer, path, row, f"{cfg.sft_prompt_key!r} (sft_prompt_key)"),
+            p = tokenizer(_render_prompt(prompt, tokenizer, path, row, f"{cfg.sft_prompt_key!r} (sft_prompt_key)",
+                                         cfg.chat_template_kwargs),
                           add_special_tokens=False)["input_ids"]
             if not isinstance(response, str) or not response:
                 raise UserError(f"{path}: row {row}: the SFT response must be a non-empty string, got {response!r}")
@@ -143,7 +145,7 @@ def _plain(value):
     return value
 
 
-def _render_prompt(prompt, tokenizer, path, row, column: str = "the prompt column") -> str:
+def _render_prompt(prompt, tokenizer, path, row, column: str = "the prompt column", template_kwargs=None) -> str:
     if isinstance(prompt, str):
         return prompt
     if hasattr(prompt, "tolist"):
@@ -153,7 +155,8 @@ def _render_prompt(prompt, tokenizer, path, row, column: str = "the prompt colum
             raise UserError(f"{path}: row {row} is a list of chat messages, but the tokenizer of model_path has no "
                             f"chat template to render them: give plain-string prompts or a model with one")
         try:
-            return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                 **(template_kwargs or {}))
         except Exception as e:
             raise UserError(f"{path}: row {row}: the chat template cannot render these messages: {e}") from None
     raise UserError(f"{path}: row {row}: a prompt must be a string or a list of chat messages, got "

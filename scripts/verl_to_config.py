@@ -103,6 +103,11 @@ def _filter_overlong(value):
     raise NotCarried("false is verl's default: data.truncation decides (carried from it)")
 
 
+def _mapping(value):
+    """the mapping as it is (its dotted leaves gathered into one)"""
+    return dict(value)
+
+
 def _greedy_validation(value):
     """false -> 0 (greedy validation), whatever val_kwargs.temperature says"""
     if value is False:
@@ -126,6 +131,7 @@ MAPPING = {
     "data.filter_overlong_prompts": ("prompt_truncation", _filter_overlong),   # before data.truncation: it wins
     "data.truncation": ("prompt_truncation", _one_of("error", "left")),
     "data.seed": "seed",
+    "data.apply_chat_template_kwargs": ("chat_template_kwargs", _mapping),
     # models
     "actor_rollout_ref.model.path": ("model_path", _path),
     "actor_rollout_ref.model.lora_rank": "lora_rank",
@@ -427,8 +433,31 @@ class Translation:
     launch: str = ""    # the accelerate launch line that trainer.n_gpus_per_node / trainer.nnodes make
 
 
+# verl keys whose value is a mapping (flattened on reading): gathered back into one before translating.
+MAPPINGS = ("data.apply_chat_template_kwargs",)
+
+
+def _gather(flat: dict) -> dict:
+    """MAPPINGS' dotted leaves (data.apply_chat_template_kwargs.enable_thinking=false) as one mapping each."""
+    out = {}
+    for key, value in flat.items():
+        parent = next((m for m in MAPPINGS if key.startswith(m + ".")), None)
+        if parent is None:
+            out[key] = value
+            continue
+        node = out.setdefault(parent, {})
+        if not isinstance(node, dict):
+            node = out[parent] = {}
+        *inner, leaf = key[len(parent) + 1:].split(".")
+        for part in inner:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
 def translate(flat: dict) -> Translation:
     """Map resolved verl settings {dotted key: value} onto config.Config's keys."""
+    flat = _gather(flat)
     hints = typing.get_type_hints(config.Config)
     out = Translation({}, [], [])
     gates = set(GATES.values())
@@ -539,7 +568,7 @@ def _carry(key: str, value, flat: dict, hints: dict):
     optional = typing.get_origin(hints[target]) is typing.Union
     if value is None and not optional:
         raise NotCarried(f"null (verl's 'not set'): {target} keeps the toolkit's default")
-    if isinstance(value, (list, dict)):
+    if isinstance(value, (list, dict)) and not (isinstance(value, dict) and hints[target] is dict):
         raise NotCarried(f"{target} takes one value, not a {type(value).__name__}")
     try:
         return target, config._coerce(target, value)

@@ -228,7 +228,8 @@ def test_unresolved_interpolation_is_not_carried():
 def _config_class(add: dict = (), drop: tuple = ()):
     """config.Config with fields added or removed, as the toolkit may look later (or did before)."""
     hints = typing.get_type_hints(config.Config)
-    fields = [(f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata))
+    fields = [(f.name, hints[f.name], dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                                        metadata=f.metadata))
               for f in dataclasses.fields(config.Config) if f.name not in drop]
     fields += [(name, type(default), dataclasses.field(default=default)) for name, default in dict(add).items()
                if name not in hints]
@@ -431,3 +432,19 @@ def test_bypass_mode_leaves_verls_metrics_only_rollout_is_behind():
     reasons = [reason for key, _, reason in t.not_carried if key.startswith("algorithm.rollout_correction.rollout_is")]
     assert len(reasons) == 2 and all("bypass_mode" in why for why in reasons)
     config.validate_config(config.Config(**{k: v[0] for k, v in t.carried.items()}))   # it loads
+
+
+def test_chat_template_kwargs_are_gathered_into_one_mapping(tmp_path):
+    """verl's data.apply_chat_template_kwargs, given leaf by leaf or whole, is chat_template_kwargs; the
+    written YAML loads through config.load_config with the same mapping."""
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], ["+data.apply_chat_template_kwargs.enable_thinking=false",
+                                                     "+data.apply_chat_template_kwargs.extra.depth=2"])))
+    assert t.carried["chat_template_kwargs"][:2] == ({"enable_thinking": False, "extra": {"depth": 2}},
+                                                     "data.apply_chat_template_kwargs")
+    assert not t.not_carried and not t.used
+    whole = v2c.translate(v2c.resolve(v2c.read_verl([], ["+data.apply_chat_template_kwargs={enable_thinking: true}"])))
+    assert whole.carried["chat_template_kwargs"][0] == {"enable_thinking": True}
+    out = tmp_path / "mine.yaml"
+    out.write_text(v2c.to_yaml(t, "test"))
+    assert config.load_config(["--config", str(out)]).chat_template_kwargs == {"enable_thinking": False,
+                                                                                "extra": {"depth": 2}}

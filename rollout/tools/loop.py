@@ -4,7 +4,9 @@ Each trajectory is one list of token ids built turn by turn: what the engine gen
 as generated (mask 1, with the sampler's log-probs), what follows an assistant turn (the rest of the
 template's turn end, the tool messages, the next generation prompt) is tokenized once by the chat
 template and appended (mask 0). Nothing is re-tokenized from text afterwards, so the ids the policy
-is trained on are exactly the ids it was sampled from. max_response_length counts every token
+is trained on are exactly the ids it was sampled from; and before every assistant turn after the
+first, those ids must be the template's rendering of the conversation so far (the text turns), so
+they are also what the model would see at inference. max_response_length counts every token
 after the prompt, model and tool alike; a trajectory is cut cleanly at it.
 
 Trajectories still going are generated together, one engine.generate call per turn (per half of
@@ -160,7 +162,9 @@ def _observe(traj: Trajectory, chat: ChatFormat, step, max_response_length: int,
         traj.stop_reason = "max_turns"
         return False
     texts = [] if observation is None else [observation] if isinstance(observation, str) else list(observation)
-    obs_ids = chat.observation_ids(traj.messages, texts)
+    # checked against the template's rendering of the conversation so far: the next turn is generated
+    # from exactly what the model would see at inference, or the run stops naming the first difference
+    obs_ids = chat.observation_ids(traj.messages, texts, traj.prompt_ids + traj.response_ids, traj.turns + 1)
     traj.messages += [{"role": "tool", "content": text} for text in texts]
     left = max_response_length - len(traj.response_ids)
     traj._append(obs_ids[:left], model=False)

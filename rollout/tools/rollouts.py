@@ -77,7 +77,8 @@ class ToolRollouts:
         self.cfg = cfg
         self.env_class = load_environment(cfg.environment) if cfg.environment else None
         self.toolset = None if self.env_class else ToolSet(_tool_functions(cfg), timeout_s=cfg.tool_timeout_s)
-        self.chat = ChatFormat(tokenizer, self.toolset.schemas if self.toolset else None)
+        self.chat = ChatFormat(tokenizer, self.toolset.schemas if self.toolset else None,
+                               template_kwargs=cfg.chat_template_kwargs)
         check_template(self.chat)
 
     @property
