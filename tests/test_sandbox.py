@@ -16,7 +16,8 @@ import pytest
 from config import Config, load_config
 from errors import UserError
 from rollout.tools import PythonLimits, ToolCall, ToolSet, run_python
-from rollout.tools.rollouts import _tool_functions
+from rollout.tools.rollouts import _tool_functions, make_tool_rollouts
+from test_tools import qwen_style_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = "rollout.tools.builtin:python"
@@ -253,6 +254,15 @@ def test_exhaustion_is_an_error_and_the_trainer_lives(tools, code, expected):
     assert len(result.text) <= tools.max_observation_chars + 100
 
 
+def test_errors_are_capped_and_name_the_signal(tools):
+    """An error observation is cut like a result; a call killed by a signal names it."""
+    result = call(tools, "raise ValueError('x' * 20_000)")
+    assert not result.ok and "ValueError" in result.text
+    assert len(result.text) <= tools.max_observation_chars + 100
+    result = call(tools, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert result.text == "error: python: killed by signal SIGKILL"
+
+
 # --- the output channel --------------------------------------------------------------------------
 
 def test_the_code_cannot_block_the_reader(tmp_path):
@@ -292,7 +302,8 @@ NO_USERNS = 'echo 0 > /proc/sys/user/max_user_namespaces && exec "$0" -c "$1"'
 BUILD = '''
 from config import Config
 from errors import UserError
-from rollout.tools.rollouts import _tool_functions
+from rollout.tools.rollouts import _tool_functions, make_tool_rollouts
+from test_tools import qwen_style_tokenizer
 for mode in ("bwrap", "none"):
     try:
         (fn,) = _tool_functions(Config(tools="rollout.tools.builtin:python", tool_sandbox=mode))
@@ -320,3 +331,18 @@ def test_without_user_namespaces_the_run_stops_unless_tool_sandbox_none():
 def test_tool_sandbox_takes_bwrap_or_none():
     with pytest.raises(UserError, match="tool_sandbox must be 'bwrap' or 'none', got 'docker'"):
         load_config([f"--tools={PYTHON}", "--tool_sandbox=docker"])
+
+
+@pytest.mark.parametrize("tools_spec, sandbox, notes", [
+    (PYTHON, "bwrap", ({"tool_sandbox": "bwrap"}, [])),
+    (PYTHON, "none", ({"tool_sandbox": "none"}, ["tool_sandbox=none: the python tool runs"])),
+    ("rollout.tools.builtin:calculator", "none", ({}, [])),
+])
+def test_the_run_tags_the_sandbox_and_warns_without_one(tools_spec, sandbox, notes):
+    """What train_ppo.py adds to the MLflow tags and prints as a warning at startup: the sandbox when
+    the python tool is configured, a warning when it is none, nothing for other tools."""
+    rollouts = make_tool_rollouts(Config(tools=tools_spec, tool_sandbox=sandbox), qwen_style_tokenizer())
+    tags, warnings = rollouts.sandbox_notes()
+    assert tags == notes[0] and len(warnings) == len(notes[1])
+    assert all(w.startswith(start) for w, start in zip(warnings, notes[1]))
+

@@ -428,6 +428,10 @@ def test_runaway_tool_code_is_stopped_and_the_run_goes_on(runaway_dir, tmp_path)
     for words in ("timed out after 3 s and was killed", "MemoryError",
                   "output exceeded 16384 bytes and the program was stopped\nxxxxxxxx"):
         assert words in text, f"no {words!r} in the run's samples"
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=sqlite_uri(tmp_path))
+    (logged,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert logged.data.tags["tool_sandbox"] == "bwrap"   # how the tool's code ran, on the run's record
 
 
 @pytest.mark.slow

@@ -112,7 +112,7 @@ class PythonLimits:
     processes: int = 64                # RLIMIT_NPROC (per call: counted in the call's own user namespace)
 
 
-MAX_CODE_CHARS = 100_000   # the code travels as one argument (Linux allows 128 KiB)
+MAX_CODE_BYTES = 100_000   # the code travels as one argument (Linux allows 128 KiB)
 
 # Runs inside the sandbox before the user's code: the code into main.py (for tracebacks with source
 # lines), then the limits on itself, which every process it starts inherits and none can raise.
@@ -147,8 +147,10 @@ def run_python(code: str, limits: PythonLimits = PythonLimits(), sandbox: str = 
     exception (with the traceback)."""
     if not isinstance(code, str):
         raise ToolError("code must be a string")
-    if len(code) > MAX_CODE_CHARS:
-        raise ToolError(f"code longer than {MAX_CODE_CHARS} characters")
+    if len(code.encode("utf-8", errors="surrogatepass")) > MAX_CODE_BYTES:
+        raise ToolError(f"code longer than {MAX_CODE_BYTES} bytes")
+    if "\0" in code:
+        raise ToolError("code contains a NUL character")
     args = [str(limits.cpu_s), str(limits.memory_mb * 2**20), str(limits.disk_mb * 2**20),
             str(limits.processes if sandbox != "none" else 0), code]
     with tempfile.TemporaryDirectory(prefix="flat_ppo_py_") as tmp:
@@ -199,7 +201,8 @@ def _execute(args: list[str], limits: PythonLimits, sandbox: str, tmp: str):
 
 
 def _read_pipes(proc: subprocess.Popen, limits: PythonLimits) -> tuple[str, str, bool, bool]:
-    """stdout and stderr until both close (every writer gone), the cap is passed or the time is up."""
+    """stdout and stderr until both close (every writer gone) or go quiet after the first process
+    ended, the cap is passed or the time is up."""
     deadline = time.monotonic() + limits.timeout_s
     buffers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     overflow = timed_out = False
@@ -211,12 +214,15 @@ def _read_pipes(proc: subprocess.Popen, limits: PythonLimits) -> tuple[str, str,
             if remaining <= 0:
                 timed_out = True
                 break
-            for key, _ in selector.select(remaining):
+            ready = selector.select(min(remaining, 0.1))
+            for key, _ in ready:
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     selector.unregister(key.fd)
                 buffers[key.fd] += chunk
                 overflow = overflow or len(buffers[key.fd]) > limits.max_output_bytes
+            if not ready and proc.poll() is not None:   # without bwrap a leftover child may hold the pipes
+                break
     if not timed_out and not overflow:   # the pipes closed: the first process may still be exiting
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
