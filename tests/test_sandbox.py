@@ -302,8 +302,7 @@ NO_USERNS = 'echo 0 > /proc/sys/user/max_user_namespaces && exec "$0" -c "$1"'
 BUILD = '''
 from config import Config
 from errors import UserError
-from rollout.tools.rollouts import _tool_functions, make_tool_rollouts
-from test_tools import qwen_style_tokenizer
+from rollout.tools.rollouts import _tool_functions
 for mode in ("bwrap", "none"):
     try:
         (fn,) = _tool_functions(Config(tools="rollout.tools.builtin:python", tool_sandbox=mode))

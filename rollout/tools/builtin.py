@@ -11,6 +11,8 @@ import ast
 import math
 import operator
 import os
+import json
+import select
 import selectors
 import signal
 import subprocess
@@ -171,33 +173,57 @@ def _execute(args: list[str], limits: PythonLimits, sandbox: str, tmp: str):
     from pipes up to the cap. Every process of the call is gone when this returns."""
     # the short environment for bwrap itself too: the tool's code can read its init's /proc/1/environ
     env = dict(SANDBOX_ENV, HOME=tmp, TMPDIR=tmp) if sandbox == "none" else SANDBOX_ENV
-    filter_fd = None
+    fds = []
     if sandbox == "none":
         argv = [sys.executable, "-I", "-c", _BOOTSTRAP, *args]
     else:
+        info_read, info_write = os.pipe()   # bwrap writes the PID of the namespace's init there
+        fds = [info_write]
         program = no_fork_filter() if sandbox_needs_no_fork() else None
         if program is not None:
-            filter_fd = os.memfd_create("no_fork")
-            os.write(filter_fd, program)
-            os.lseek(filter_fd, 0, os.SEEK_SET)
-        argv = [*bwrap_command(limits.disk_mb, filter_fd), sys.executable, "-I", "-c", _BOOTSTRAP, *args]
+            fds.append(os.memfd_create("no_fork"))
+            os.write(fds[-1], program)
+            os.lseek(fds[-1], 0, os.SEEK_SET)
+        argv = [*bwrap_command(limits.disk_mb, info_write, fds[1] if program else None), sys.executable, "-I",
+                "-c", _BOOTSTRAP, *args]
     try:
         proc = subprocess.Popen(argv, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                pass_fds=() if filter_fd is None else (filter_fd,))
+                                stderr=subprocess.PIPE, start_new_session=True, pass_fds=fds)
     finally:
-        if filter_fd is not None:
-            os.close(filter_fd)
+        for fd in fds:
+            os.close(fd)
     try:
         out, err, overflow, timed_out = _read_pipes(proc, limits)
     finally:
-        # bwrap's init dies with bwrap (--die-with-parent) and takes its PID namespace with it; without
-        # bwrap, the session's group is what we can reach
-        _kill(proc, group=sandbox == "none")
+        if sandbox == "none":   # the session's group is what we can reach
+            _kill(lambda: os.killpg(proc.pid, signal.SIGKILL))
+        else:   # the init's death ends the PID namespace, and bwrap exits only once it is empty
+            init = _read_init_pid(info_read)
+            os.close(info_read)
+            _kill(lambda: os.kill(init, signal.SIGKILL) if init and proc.poll() is None else None)
+            _kill(lambda: proc.wait(timeout=5))
+            _kill(proc.kill)
         proc.wait()
         proc.stdout.close()
         proc.stderr.close()
     return proc.returncode, out, err, overflow, timed_out
+
+
+def _read_init_pid(fd: int) -> int | None:
+    """bwrap's --info-fd: {"child-pid": N}, written once the sandbox is up (nothing if it never was)."""
+    if not select.select([fd], [], [], 0)[0]:
+        return None
+    try:
+        return int(json.loads(os.read(fd, 4096))["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _kill(action) -> None:
+    try:
+        action()
+    except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+        pass
 
 
 def _read_pipes(proc: subprocess.Popen, limits: PythonLimits) -> tuple[str, str, bool, bool]:
@@ -230,16 +256,6 @@ def _read_pipes(proc: subprocess.Popen, limits: PythonLimits) -> tuple[str, str,
             timed_out = True
     out, err = (bytes(b[:limits.max_output_bytes]).decode("utf-8", errors="replace") for b in buffers.values())
     return out, err, overflow, timed_out
-
-
-def _kill(proc: subprocess.Popen, group: bool) -> None:
-    try:
-        if group:
-            os.killpg(proc.pid, signal.SIGKILL)
-        elif proc.poll() is None:
-            proc.kill()
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _exit_reason(returncode: int, limits: PythonLimits, sandbox: str) -> str:

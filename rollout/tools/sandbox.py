@@ -5,7 +5,7 @@ processes only, a minimal /dev and an empty environment. Nothing of $HOME, the c
 directory or the host's /tmp is mounted; when the call's first process ends, the PID namespace ends
 and the kernel kills every process left in it.
 
-    argv = bwrap_command(disk_mb, no_fork) + [sys.executable, ...]    # one call
+    argv = bwrap_command(disk_mb, info_fd, no_fork_fd) + [sys.executable, ...]    # one call
     check_sandbox(cfg.tool_sandbox)   # at startup, when the python tool is configured: UserError if it cannot start
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _runtime_dirs() -> list[str]:
     return sorted(d for d in dirs if not d.startswith(tuple(s + "/" for s in system)) and d not in system)
 
 
-def bwrap_command(disk_mb: int, no_fork_fd: int | None = None) -> list[str]:
+def bwrap_command(disk_mb: int, info_fd: int | None = None, no_fork_fd: int | None = None) -> list[str]:
     argv = [bwrap_path() or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
             "--new-session", "--cap-drop", "ALL", "--clearenv", "--hostname", "sandbox"]
     for d in _SYSTEM_DIRS:   # /lib -> usr/lib on merged-/usr systems stays a link
@@ -65,6 +65,8 @@ def bwrap_command(disk_mb: int, no_fork_fd: int | None = None) -> list[str]:
              "--chdir", SANDBOX_DIR]
     for key, value in SANDBOX_ENV.items():
         argv += ["--setenv", key, value]
+    if info_fd is not None:
+        argv += ["--info-fd", str(info_fd)]
     if no_fork_fd is not None:
         argv += ["--seccomp", str(no_fork_fd)]
     return argv
