@@ -45,8 +45,15 @@ def _runtime_dirs() -> list[str]:
     dirs = {os.path.realpath(d) for d in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                                           os.path.dirname(os.path.realpath(sys.executable)))}
     dirs |= {os.path.dirname(os.path.abspath(sys.executable))}
-    system = tuple(os.path.realpath(d) for d in _SYSTEM_DIRS if os.path.exists(d))
-    return sorted(d for d in dirs if not d.startswith(tuple(s + "/" for s in system)) and d not in system)
+    kept = []
+    for d in sorted(dirs):   # parents first: a directory inside one already bound needs no bind of its own
+        if not any(d == k or d.startswith(k + "/") for k in (*_system_dirs(), *kept)):
+            kept.append(d)
+    return kept
+
+
+def _system_dirs() -> list[str]:
+    return [os.path.realpath(d) for d in _SYSTEM_DIRS if os.path.exists(d)]
 
 
 def bwrap_command(disk_mb: int, info_fd: int | None = None, no_fork_fd: int | None = None) -> list[str]:
