@@ -194,6 +194,9 @@ class Config:
     max_turns: int = opt(4, "tools/environment: assistant turns per trajectory at most")
     tool_timeout_s: float = opt(30.0, "tools: wall-clock limit of one tool call (the python tool's too); past it "
                                       "the call is an error observation")
+    tool_sandbox: str = opt("bwrap", "the python tool's sandbox: 'bwrap' (bubblewrap: fresh namespaces, no network, "
+                                     "read-only runtime, a tmpfs as the only writable place; the run stops at startup "
+                                     "where it cannot start) or 'none' (a plain subprocess with rlimits: warned, tagged)")
     tool_workers: int = opt(8, "tools/environment: tool calls (environment steps) run concurrently in this many threads")
     tool_overlap: bool = opt(True, "tools/environment: two halves of the trajectories take turns at the engine, so one "
                                    "half's tool calls run while the other half generates (twice the generate calls: "
@@ -514,6 +517,7 @@ def validate_config(cfg: Config) -> None:
     if cfg.tools or cfg.environment:
         need(cfg.max_turns > 0, f"max_turns must be > 0, got {cfg.max_turns}")
         need(cfg.tool_timeout_s > 0, f"tool_timeout_s must be > 0, got {cfg.tool_timeout_s}")
+        need(cfg.tool_sandbox in ("bwrap", "none"), f"tool_sandbox must be 'bwrap' or 'none', got {cfg.tool_sandbox!r}")
         need(cfg.tool_workers > 0, f"tool_workers must be > 0, got {cfg.tool_workers}")
         need(not cfg.rollout_ignore_eos, "rollout_ignore_eos cannot run with tools or an environment: a turn ends at "
                                          "its end-of-turn token")

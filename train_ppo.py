@@ -427,6 +427,10 @@ def setup(cfg: Config) -> Run:
 
     tokenizer, actor, critic, ref, reward_model = load_models(cfg)
     tools = make_tool_rollouts(cfg, tokenizer)   # multi-turn: refuses a chat template that is not prefix-preserving
+    sandbox_tags, sandbox_warnings = tools.sandbox_notes() if tools else ({}, [])   # how the python tool runs code
+    if accelerator.is_main_process:
+        for note in sandbox_warnings:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
     scorer = Scorer(cfg, tokenizer, None)
     read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
                                       cfg.prompt_truncation, scorer.dataset_columns(TRAJECTORY_COLUMNS if tools else ()),
@@ -461,7 +465,7 @@ def setup(cfg: Config) -> Run:
     peak = torch.tensor([flops.peak(accelerator.device, cfg.dtype == "bf16", cfg.peak_tflops)], device=accelerator.device)
     run.peak_flops = float(accelerator.gather(peak).min())
     start_engine(run)
-    tags = run_tags(world, distributed.zero_stage(accelerator), run.engine.name, HERE)
+    tags = run_tags(world, distributed.zero_stage(accelerator), run.engine.name, HERE) | sandbox_tags
     run.tracker = Tracker(out_dir, accelerator.is_main_process, uri=cfg.mlflow_tracking_uri,
                           experiment=cfg.mlflow_experiment, run_name=cfg.run_name, params=dataclasses.asdict(cfg),
                           tags=tags, system_metrics=cfg.mlflow_system_metrics, resumed=resumed,

@@ -89,6 +89,9 @@ def dry_run(cfg: Config) -> bool:
     if tools:
         print(f"tools: {', '.join(tools.names)}; chat template passes the prefix check; longest prompt with the "
               f"tool schemas {longest_with_tools} tokens (max_prompt_length={cfg.max_prompt_length})")
+        if tools.sandbox:   # bwrap has started once by now (check_sandbox), or the run would have stopped
+            print(f"python tool sandbox: {tools.sandbox}" + (" (started once here)" if tools.sandbox == "bwrap"
+                                                             else f"; warning: {tools.sandbox_notes()[1][0]}"))
     print(f"actor: {plan.actor.params / 1e6:.2f}M parameters ({plan.actor.trainable / 1e6:.2f}M trained), "
           f"vocabulary {plan.actor.vocab}")
     return preflight.report(plan)

@@ -84,6 +84,7 @@ def test_gsm8k_python_config_passes_dry_run(qwen_7b_config_only, tmp_path):
     assert "Traceback" not in out, out[-3000:]
     assert "data: 130 train rows, 10 val rows" in out, out[-3000:]
     assert "tools: python; chat template passes the prefix check" in out, out[-3000:]
+    assert "python tool sandbox: bwrap (started once here)" in out, out[-3000:]
     assert "actor: 7615.62M parameters" in out   # read from config.json alone
     assert "memory per rank" in out and "8 ranks" in out
 

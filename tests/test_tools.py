@@ -253,20 +253,9 @@ def test_python_output_is_capped():
     with pytest.raises(ToolError) as e:
         run_python("for i in range(10**7):\n    print(i)", PythonLimits(max_output_bytes=1000))
     message = str(e.value)
-    assert "[output truncated at 1000 bytes]" in message and "File too large" in message
+    assert message.startswith("output exceeded 1000 bytes and the program was stopped\n0\n1\n")
     assert len(message) < 2 * 1000 + 500
     assert run_python("print('x' * 999, end='')", PythonLimits(max_output_bytes=1000)) == "x" * 999
-
-
-@pytest.mark.parametrize("code, event", [
-    ("import socket\nsocket.create_connection(('10.0.0.1', 80), timeout=1)", "socket."),
-    ("import urllib.request\nurllib.request.urlopen('http://example.com', timeout=1)", "socket."),
-    ("import subprocess\nsubprocess.run(['ls'])", "subprocess.Popen"),
-    ("import os\nos.system('ls')", "os.system"),
-])
-def test_python_has_no_network_and_no_subprocesses(code, event):
-    with pytest.raises(ToolError, match=f"PermissionError: {event}"):
-        run_python(code)
 
 
 # --- tool set: validation and failures ----------------------------------------------------------------

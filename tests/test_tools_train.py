@@ -421,12 +421,17 @@ def test_runaway_tool_code_is_stopped_and_the_run_goes_on(runaway_dir, tmp_path)
         assert r["tools/calls_per_sample"] >= 1 and r["tools/error_rate"] > 0, r
         assert all(math.isfinite(v) for v in r.values())
     # what the model read, from the validation samples the run logged to MLflow: the hang killed on
-    # the clock, the allocation stopped by the memory limit (the flood's message lies past the 512
-    # tokens, after 8 KB of its own output: its exit status is what fits)
+    # the clock, the allocation stopped by the memory limit, the flood by the output cap (its message
+    # comes before its output)
     (table,) = [json.loads(p.read_text()) for p in tmp_path.rglob("samples/step_000002.json")]
     text = "".join(row[table["columns"].index("response")] for row in table["data"])
-    for words in ("timed out after 3 s and was killed", "MemoryError", "exit status 1\nxxxxxxxx"):
+    for words in ("timed out after 3 s and was killed", "MemoryError",
+                  "output exceeded 16384 bytes and the program was stopped\nxxxxxxxx"):
         assert words in text, f"no {words!r} in the run's samples"
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=sqlite_uri(tmp_path))
+    (logged,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert logged.data.tags["tool_sandbox"] == "bwrap"   # how the tool's code ran, on the run's record
 
 
 @pytest.mark.slow

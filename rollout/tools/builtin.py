@@ -1,5 +1,6 @@
 """The two built-in tools of the recipes: a calculator (parsed with `ast`, never eval'd) and a Python
-executor (a subprocess with CPU-time, memory and output limits, no network, killed on timeout).
+executor (a fresh interpreter inside bubblewrap, rollout/tools/sandbox.py, with CPU-time, memory,
+process and output limits, every process killed when the call ends).
 
 Config specs: "rollout.tools.builtin:calculator", "rollout.tools.builtin:python".
 Both raise ToolError on failure; the tool set turns that into an error observation the model reads.
@@ -7,17 +8,20 @@ Both raise ToolError on failure; the tool set turns that into an error observati
 from __future__ import annotations
 
 import ast
-import functools
 import math
 import operator
 import os
-import shutil
+import json
+import select
+import selectors
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
-from pathlib import Path
+
+from rollout.tools.sandbox import SANDBOX_ENV, bwrap_command, no_fork_filter, sandbox_needs_no_fork
 
 
 class ToolError(Exception):
@@ -102,34 +106,32 @@ def _check_power(base, exponent) -> None:
 
 @dataclass(frozen=True)
 class PythonLimits:
-    timeout_s: float = 10.0            # wall clock; the whole process group is killed after it
+    timeout_s: float = 10.0            # wall clock; every process of the call is killed after it
     cpu_s: int = 10                    # RLIMIT_CPU: SIGXCPU past it
     memory_mb: int = 512               # RLIMIT_AS: allocations past it raise MemoryError
-    max_output_bytes: int = 16_384     # RLIMIT_FSIZE on the stdout/stderr files: writes past it fail
+    max_output_bytes: int = 16_384     # stdout and stderr each, read from pipes; past it the call is stopped
+    disk_mb: int = 64                  # the sandbox's tmpfs, its only writable place; RLIMIT_FSIZE too
+    processes: int = 64                # RLIMIT_NPROC (per call: counted in the call's own user namespace)
 
 
-# Runs inside the child before the user's code: limits on itself (resource.setrlimit in the child,
-# not a preexec_fn, which may deadlock when the parent has threads, as the tool pool does), then an
-# audit hook that refuses sockets and new processes. The hook cannot be removed once added;
-# it is not a security boundary against hostile code (the network namespace below is the stronger
-# part), it keeps well-meaning model code off the network and inside the group we kill.
+MAX_CODE_BYTES = 100_000   # the code travels as one argument (Linux allows 128 KiB)
+
+# Runs inside the sandbox before the user's code: the code into main.py (for tracebacks with source
+# lines), then the limits on itself, which every process it starts inherits and none can raise.
 _BOOTSTRAP = r'''
 import resource, sys
-cpu_s, memory_bytes, output_bytes = (int(a) for a in sys.argv[1:4])
+cpu_s, memory_bytes, file_bytes, processes = (int(a) for a in sys.argv[1:5])
+_source = sys.argv[5]
+with open("main.py", "w", encoding="utf-8") as f:
+    f.write(_source)
 resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
 resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-resource.setrlimit(resource.RLIMIT_FSIZE, (output_bytes, output_bytes))
+resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-_BLOCKED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-            "os.forkpty", "pty.")
-def _audit(event, args):
-    if event.startswith(_BLOCKED):
-        raise PermissionError(f"{event} is not allowed in this sandbox (no network, no subprocesses)")
-sys.addaudithook(_audit)
-del resource, _audit
+if processes:
+    resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
+del resource, f
 sys.argv = ["main.py"]
-with open("main.py", encoding="utf-8") as f:
-    _source = f.read()
 try:
     exec(compile(_source, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 except SystemExit:
@@ -141,75 +143,148 @@ except BaseException as e:   # the traceback from the user's code down, without 
 '''
 
 
-@functools.cache
-def network_namespace_prefix() -> tuple[str, ...]:
-    """`unshare --user --map-root-user --net`: the child gets a network namespace with no
-    interfaces (loopback down), so even code past the audit hook has no network. Used when the
-    kernel allows unprivileged user namespaces; otherwise only the audit hook stands."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return ()
-    prefix = (unshare, "--user", "--map-root-user", "--net", "--")
-    try:
-        ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    return prefix if ok else ()
-
-
-def run_python(code: str, limits: PythonLimits = PythonLimits()) -> str:
-    """Run `code` in a fresh interpreter; its stdout (and stderr, when any) as text.
-    Raises ToolError on a timeout, a limit, or an uncaught exception (with the traceback)."""
+def run_python(code: str, limits: PythonLimits = PythonLimits(), sandbox: str = "bwrap") -> str:
+    """Run `code` in a fresh interpreter (inside bubblewrap unless sandbox="none"); its stdout (and
+    stderr, when any) as text. Raises ToolError on a timeout, a limit, a signal or an uncaught
+    exception (with the traceback)."""
     if not isinstance(code, str):
         raise ToolError("code must be a string")
+    if len(code.encode("utf-8", errors="surrogatepass")) > MAX_CODE_BYTES:
+        raise ToolError(f"code longer than {MAX_CODE_BYTES} bytes")
+    if "\0" in code:
+        raise ToolError("code contains a NUL character")
+    args = [str(limits.cpu_s), str(limits.memory_mb * 2**20), str(limits.disk_mb * 2**20),
+            str(limits.processes if sandbox != "none" else 0), code]
     with tempfile.TemporaryDirectory(prefix="flat_ppo_py_") as tmp:
-        work = Path(tmp)
-        (work / "main.py").write_text(code, encoding="utf-8")
-        (work / "bootstrap.py").write_text(_BOOTSTRAP, encoding="utf-8")
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-        argv = [*network_namespace_prefix(), sys.executable, "-I", "bootstrap.py",
-                str(limits.cpu_s), str(limits.memory_mb * 2**20), str(limits.max_output_bytes)]
-        with open(work / "stdout", "wb") as out, open(work / "stderr", "wb") as err:
-            proc = subprocess.Popen(argv, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    start_new_session=True)   # its own process group: killpg reaches children
-            try:
-                proc.wait(timeout=limits.timeout_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)   # the leader is alive (not reaped): the group is ours
-                proc.wait()
-        stdout, out_full = _read_capped(work / "stdout", limits.max_output_bytes)
-        stderr, err_full = _read_capped(work / "stderr", limits.max_output_bytes)
-    text = stdout + (f"\n[stderr]\n{stderr}" if stderr.strip() else "")
-    if out_full or err_full:
-        text += f"\n[output truncated at {limits.max_output_bytes} bytes]"
+        outcome = _execute(args, limits, sandbox, tmp)
+    returncode, out, err, overflow, timed_out = outcome
+    text = out + (f"\n[stderr]\n{err}" if err.strip() else "")
+    if overflow:
+        raise ToolError(f"output exceeded {limits.max_output_bytes} bytes and the program was stopped\n{text}".rstrip())
     if timed_out:
         raise ToolError(f"timed out after {limits.timeout_s:g} s and was killed\n{text}".rstrip())
-    if proc.returncode == -signal.SIGXCPU or proc.returncode == -signal.SIGKILL:
-        raise ToolError(f"CPU time limit of {limits.cpu_s} s exceeded\n{text}".rstrip())
-    if proc.returncode != 0:
-        raise ToolError(f"exit status {proc.returncode}\n{text}".rstrip())
+    if returncode != 0:
+        raise ToolError(f"{_exit_reason(returncode, limits, sandbox)}\n{text}".rstrip())
     return text
 
 
-def _read_capped(path: Path, cap: int) -> tuple[str, bool]:
-    with open(path, "rb") as f:
-        data = f.read(cap + 1)
-    return data[:cap].decode("utf-8", errors="replace"), len(data) >= cap
+def _execute(args: list[str], limits: PythonLimits, sandbox: str, tmp: str):
+    """The bootstrap under bwrap (or a plain subprocess in its own session in `tmp`), its output read
+    from pipes up to the cap. Every process of the call is gone when this returns."""
+    # the short environment for bwrap itself too: the tool's code can read its init's /proc/1/environ
+    env = dict(SANDBOX_ENV, HOME=tmp, TMPDIR=tmp) if sandbox == "none" else SANDBOX_ENV
+    fds = []
+    if sandbox == "none":
+        argv = [sys.executable, "-I", "-c", _BOOTSTRAP, *args]
+    else:
+        info_read, info_write = os.pipe()   # bwrap writes the PID of the namespace's init there
+        fds = [info_write]
+        program = no_fork_filter() if sandbox_needs_no_fork() else None
+        if program is not None:
+            fds.append(os.memfd_create("no_fork"))
+            os.write(fds[-1], program)
+            os.lseek(fds[-1], 0, os.SEEK_SET)
+        argv = [*bwrap_command(limits.disk_mb, info_write, fds[1] if program else None), sys.executable, "-I",
+                "-c", _BOOTSTRAP, *args]
+    try:
+        proc = subprocess.Popen(argv, cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True, pass_fds=fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    try:
+        out, err, overflow, timed_out = _read_pipes(proc, limits)
+    finally:
+        if sandbox == "none":   # the session's group is what we can reach
+            _kill(lambda: os.killpg(proc.pid, signal.SIGKILL))
+        else:   # the init's death ends the PID namespace, and bwrap exits only once it is empty
+            init = _read_init_pid(info_read)
+            os.close(info_read)
+            _kill(lambda: os.kill(init, signal.SIGKILL) if init and proc.poll() is None else None)
+            _kill(lambda: proc.wait(timeout=5))
+            _kill(proc.kill)
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    return proc.returncode, out, err, overflow, timed_out
 
 
-def make_python_tool(limits: PythonLimits = PythonLimits()):
-    """A `python` tool with these limits (e.g. timeout_s from the config's tool_timeout_s)."""
+def _read_init_pid(fd: int) -> int | None:
+    """bwrap's --info-fd: {"child-pid": N}, written once the sandbox is up (nothing if it never was)."""
+    if not select.select([fd], [], [], 0)[0]:
+        return None
+    try:
+        return int(json.loads(os.read(fd, 4096))["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _kill(action) -> None:
+    try:
+        action()
+    except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+        pass
+
+
+def _read_pipes(proc: subprocess.Popen, limits: PythonLimits) -> tuple[str, str, bool, bool]:
+    """stdout and stderr until both close (every writer gone) or go quiet after the first process
+    ended, the cap is passed or the time is up."""
+    deadline = time.monotonic() + limits.timeout_s
+    buffers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    overflow = timed_out = False
+    with selectors.DefaultSelector() as selector:
+        for fd in buffers:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map() and not overflow:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            ready = selector.select(min(remaining, 0.1))
+            for key, _ in ready:
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fd)
+                buffers[key.fd] += chunk
+                overflow = overflow or len(buffers[key.fd]) > limits.max_output_bytes
+            if not ready and proc.poll() is not None:   # without bwrap a leftover child may hold the pipes
+                break
+    if not timed_out and not overflow:   # the pipes closed: the first process may still be exiting
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    out, err = (bytes(b[:limits.max_output_bytes]).decode("utf-8", errors="replace") for b in buffers.values())
+    return out, err, overflow, timed_out
+
+
+def _exit_reason(returncode: int, limits: PythonLimits, sandbox: str) -> str:
+    """bwrap reports a child killed by signal N as exit status 128+N; a plain subprocess as -N."""
+    signum = -returncode if returncode < 0 else returncode - 128 if sandbox != "none" and returncode > 128 else 0
+    if signum == signal.SIGXCPU:
+        return f"CPU time limit of {limits.cpu_s} s exceeded"
+    if signum == signal.SIGXFSZ:
+        return f"file size limit of {limits.disk_mb} MB exceeded"
+    if signum:
+        try:
+            return f"killed by signal {signal.Signals(signum).name}"
+        except ValueError:
+            return f"killed by signal {signum}"
+    return f"exit status {returncode}"
+
+
+def make_python_tool(limits: PythonLimits = PythonLimits(), sandbox: str = "bwrap"):
+    """A `python` tool with these limits (e.g. timeout_s from the config's tool_timeout_s) in this
+    sandbox (the config's tool_sandbox; check_sandbox at startup says whether it can start)."""
     def python(code: str) -> str:
         """Run a Python program and return what it prints. Each call starts a fresh interpreter with no network; print the values you need.
 
         Args:
             code: The complete program, e.g. "print(sum(range(10)))".
         """
-        return run_python(code, limits)
+        return run_python(code, limits, sandbox)
     python.own_timeout_s = limits.timeout_s   # the tool set's own timer waits a little longer (toolset.py)
+    python.sandbox = sandbox
     return python
 
 

@@ -21,6 +21,7 @@ from rollout import RolloutEngine, SamplingParams, Share
 from rollout.tools.builtin import PythonLimits, make_python_tool, python
 from rollout.tools.chat import ChatFormat, check_template
 from rollout.tools.loop import ToolEnvironment, Trajectory, run_multiturn, tool_metrics
+from rollout.tools.sandbox import check_sandbox
 from rollout.tools.spec import load_environment, load_tool
 from rollout.tools.toolset import ToolSet
 
@@ -76,7 +77,10 @@ class ToolRollouts:
     def __init__(self, cfg: Config, tokenizer):
         self.cfg = cfg
         self.env_class = load_environment(cfg.environment) if cfg.environment else None
-        self.toolset = None if self.env_class else ToolSet(_tool_functions(cfg), timeout_s=cfg.tool_timeout_s)
+        functions = [] if self.env_class else _tool_functions(cfg)
+        self.toolset = None if self.env_class else ToolSet(functions, timeout_s=cfg.tool_timeout_s)
+        # the python tool's sandbox, checked at startup ("bwrap" or "none"); None without that tool
+        self.sandbox = next((fn.sandbox for fn in functions if hasattr(fn, "sandbox")), None)
         self.chat = ChatFormat(tokenizer, self.toolset.schemas if self.toolset else None,
                                template_kwargs=cfg.chat_template_kwargs)
         check_template(self.chat)
@@ -92,6 +96,14 @@ class ToolRollouts:
         """A data row's prompt as the policy sees it, rendered with the tool schemas (--dry_run's length
         check; an environment's reset may still replace the messages)."""
         return self.chat.prompt_ids(_messages(row.get(self.cfg.prompt_key, text)))
+
+    def sandbox_notes(self) -> tuple[dict, list[str]]:
+        """The MLflow tag and the startup warning that say how the python tool's code runs."""
+        if self.sandbox is None:
+            return {}, []
+        warning = ["tool_sandbox=none: the python tool runs the policy's code as a plain subprocess with only "
+                   "rlimits; it can read and write your files, reach the network and signal this process"]
+        return {"tool_sandbox": self.sandbox}, warning if self.sandbox == "none" else []
 
     def environments(self, n: int) -> list:
         if self.env_class is None:
@@ -139,8 +151,9 @@ def _tool_functions(cfg: Config) -> list:
     functions = []
     for spec in [s.strip() for s in cfg.tools.split(",") if s.strip()]:
         fn, _ = load_tool(spec)
-        if fn is python:   # the built-in executor, under tool_timeout_s
-            fn = make_python_tool(PythonLimits(timeout_s=cfg.tool_timeout_s))
+        if fn is python:   # the built-in executor, under tool_timeout_s, in tool_sandbox (once: it can start)
+            check_sandbox(cfg.tool_sandbox)
+            fn = make_python_tool(PythonLimits(timeout_s=cfg.tool_timeout_s), cfg.tool_sandbox)
         functions.append(fn)
     return functions
 

@@ -56,13 +56,18 @@ class ToolSet:
         limit = fn.own_timeout_s + 5.0 if hasattr(fn, "own_timeout_s") else self.timeout_s
         outcome = _call_with_timeout(fn, call.arguments, limit)
         if isinstance(outcome, _Failed):
-            return _error(f"{call.name}: {outcome.message}")
+            return self._capped(_error(f"{call.name}: {outcome.message}"))
         text = _as_text(outcome)
         if text is None:
             return _error(f"{call.name} returned {type(outcome).__name__}, not text")
-        if len(text) > self.max_observation_chars:
-            text = text[:self.max_observation_chars] + f"\n[truncated at {self.max_observation_chars} characters]"
-        return ToolResult(text, True)
+        return self._capped(ToolResult(text, True))
+
+    def _capped(self, result: ToolResult) -> ToolResult:
+        """A result or an error (a traceback, the output before a limit) at most max_observation_chars."""
+        if len(result.text) <= self.max_observation_chars:
+            return result
+        return ToolResult(result.text[:self.max_observation_chars]
+                          + f"\n[truncated at {self.max_observation_chars} characters]", result.ok)
 
     def _check_arguments(self, call: ToolCall) -> str | None:
         params = next(s for s in self.schemas if s["function"]["name"] == call.name)["function"]["parameters"]
