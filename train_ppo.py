@@ -580,8 +580,8 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
         truncated = tools.truncated if tools else is_truncated(sampled.responses, tokenizer.eos_token_id,
                                                                cfg.max_response_length)
         bonus = tools.bonus(cfg.tool_call_bonus) if tools and cfg.tool_call_bonus else None
-        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), ~nonfinite, bonus),
-                                    mask, cfg.reward_placement, cfg.reward_decay)
+        shaped = shape_scores(cfg, scores, sampled.responses, truncated.to(device), ~nonfinite, bonus)   # [b]
+        token_scores = place_scores(shaped, mask, cfg.reward_placement, cfg.reward_decay)
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic); an OOM redoes them
     with timed(times, "forward"), run.autocast():

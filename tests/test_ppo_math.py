@@ -263,11 +263,26 @@ def test_a_dropped_sample_gets_no_shaping_penalty():
     from config import Config
     from rewards.scoring import shape_scores
     cfg = Config(truncation_penalty=0.5, overlong_buffer_len=2, max_response_length=4, reward_clip=0.0)
-    scores, lengths = t([1.0, 0.0]), t([4.0, 0.0])
+    scores, responses = t([1.0, 0.0]), [[5, 6, 7, 8], []]
     truncated = torch.tensor([True, True])
-    shaped = shape_scores(cfg, scores, lengths, truncated, valid=torch.tensor([True, False]))
+    shaped = shape_scores(cfg, scores, responses, truncated, valid=torch.tensor([True, False]))
     assert shaped[1].item() == 0.0
     assert shaped[0].item() == pytest.approx(1.0 - 1.0 - 0.5)   # overlong at the max (-1) and truncated (-0.5)
+
+
+def test_overlong_shaping_counts_tool_tokens_in_the_budget():
+    """max_response_length is the whole trajectory's budget (model and tool tokens), as verl's DAPO
+    reward manager measures the valid response length: 50 model + 48 tool + 2 model tokens use all
+    of 100, so the penalty is full, though the model wrote only 52 of them."""
+    from config import Config
+    from rewards.scoring import shape_scores
+    from rollout.tools.rollouts import ToolRolloutOutput
+    cfg = Config(overlong_buffer_len=20, overlong_penalty_factor=1.0, max_response_length=100, reward_clip=0.0)
+    tool_mask = torch.tensor([[1.0] * 50 + [0.0] * 48 + [1.0] * 2])                 # [1, 100]
+    out = ToolRolloutOutput([[1, 2]], [list(range(3, 103))], None, tool_mask, torch.tensor([False]), {}, [], 0.0)
+    assert out.batch(0)["response_mask"].sum().item() == 52                         # what the model wrote
+    shaped = shape_scores(cfg, t([1.0]), out.responses, torch.tensor([False]))
+    assert shaped.item() == pytest.approx(0.0)
 
 
 def test_reinforce_pp_discounted_returns_and_whitening():
