@@ -56,13 +56,20 @@ def test_token_budgets_are_per_device_so_a_split_micro_batch_holds_sp_times_as_m
     from config import schedule
     long = dict(use_dynamic_bsz=True, ppo_max_token_len_per_device=100, log_prob_max_token_len_per_device=300,
                 max_prompt_length=50, max_response_length=100)
-    with pytest.raises(UserError, match=r"actor's token budget 100 must hold one whole sequence"):
+    with pytest.raises(UserError, match=r"^ppo_max_token_len_per_device=100 \(the actor's token budget\) must hold "
+                                        r"one whole sequence \(max_prompt_length \+ max_response_length = 150\)"):
         validate_config(Config(**long))
     cfg = Config(**long, ulysses_sequence_parallel_size=2)
     validate_config(cfg)
     assert [schedule(cfg, role).max_tokens for role in ("actor", "critic", "log_prob")] == [200, 200, 600]
-    with pytest.raises(UserError, match=r"budget 300 \(per device x ulysses_sequence_parallel_size=3\) must hold"):
+    with pytest.raises(UserError, match=r"^ppo_max_token_len_per_device=100 \(the actor's token budget\) x "
+                                        r"ulysses_sequence_parallel_size=3 = 300 must hold"):
         validate_config(Config(**{**long, "max_response_length": 300}, ulysses_sequence_parallel_size=3))
+    # the critic's own budget is named by its own key
+    with pytest.raises(UserError, match=r"^critic_ppo_max_token_len_per_device=120 \(the critic's token budget\) "
+                                        r"must hold one whole sequence"):
+        validate_config(Config(**{**long, "ppo_max_token_len_per_device": 200},
+                               critic_ppo_max_token_len_per_device=120))
 
 
 def test_models_that_cannot_split_are_named():
