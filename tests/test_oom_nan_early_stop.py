@@ -118,6 +118,43 @@ def test_oom_after_max_oom_retries_in_a_row_stops_with_one_line_naming_the_phase
     assert "lower log_prob_micro_batch_size_per_device" in error[0]
 
 
+CPU_OOM = """
+import resource, sys, torch
+from accelerate import Accelerator
+from plumbing.oom import OomReaction
+
+# the address space this process has, plus 1.5 GB: a real allocation past it fails in torch's
+# DefaultCPUAllocator (a RuntimeError, not torch.OutOfMemoryError), as a CPU run out of memory does
+vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + 1500 * 2**20, resource.RLIM_INFINITY))
+oom = OomReaction(Accelerator(cpu=True), {"actor": [8, 0]}, max_retries=3)
+tried = []
+
+
+def work():   # a micro-batch's activations: 300 MB a sequence (8 and 6 do not fit, 4 does)
+    micro, _ = oom.size("actor")
+    tried.append(micro)
+    with oom.agreed("actor"):
+        torch.empty(micro * 300 * 2**20, dtype=torch.uint8)
+
+
+oom.retry("actor", work)
+print("tried", tried, "guard/oom", oom.metrics()["guard/oom"])
+"""
+
+
+def test_a_cpu_allocation_failure_is_an_oom_the_reaction_redoes(tmp_path):
+    """On a CPU, running out of memory raises RuntimeError("DefaultCPUAllocator: can't allocate
+    memory"), not torch.OutOfMemoryError; the reaction must take it for what it is. Real: a process
+    whose address space is capped, asking for more than fits at 8 and 6 sequences."""
+    proc = forkserver.run([sys.executable, "-c", CPU_OOM], cwd=ROOT, env=env_for(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, tail(proc)
+    assert "tried [8, 6, 4] guard/oom 2.0" in proc.stdout, tail(proc)
+    warned = [line for line in proc.stderr.splitlines() if "out of memory in phase actor" in line]
+    assert len(warned) == 2 and "micro-batch size 4 (was micro-batch size 6" in warned[1], tail(proc)
+
+
 # ----------------------------------------------------------------------------------------------
 # 4. NaN clip reaction
 NAN_GRADIENTS = """
