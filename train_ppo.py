@@ -108,10 +108,10 @@ def drop_gradients(model, optim, ds: bool) -> None:
     (model.optimizer if ds else optim).zero_grad(set_to_none=True)
 
 
-def sft_loss(accelerator, actor, sft: SFTStream, autocast) -> torch.Tensor:
+def sft_loss(accelerator, actor, batch: dict, autocast) -> torch.Tensor:
     """Next-token NLL of one SFT micro-batch, normalised by the response tokens of all ranks (the
     gradient average over ranks then gives the mean over every rank's tokens)."""
-    batch = to_device(sft.next(), accelerator.device)
+    batch = to_device(batch, accelerator.device)
     mask = batch["response_mask"]                                                  # [s, R]
     tokens = accelerator.reduce(mask.sum(), reduction="sum") / accelerator.num_processes
     with autocast():
@@ -134,17 +134,19 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
     low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
 
-    def mini_batch(mb: dict, epoch: int, first: bool) -> Stats:
+    def mini_batch(mb: dict, epoch: int, first: bool, sft_batch: dict | None) -> Stats:
         done = Stats()   # this try's figures: a try that runs out of memory leaves none
         norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
         loss_total = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0}
         for _, micro in micro_batches(mb, *oom.size("actor"), agree):
             m = micro["response_mask"]
+            # one pass per agreed block: a rank's OOM in a pass is agreed on before any rank starts
+            # the next pass's collectives
+            if cfg.entropy_floor and epoch == 0 and temperature != cfg.temperature:
+                with oom.agreed("actor"), autocast(), torch.no_grad():   # every rank reacts alike
+                    _, at_config = response_logprobs(actor, micro, cfg.temperature, with_entropy=True)
+                done.add({"guard/entropy": masked_mean(at_config, m).item()})
             with oom.agreed("actor"):   # forward and loss: every rank agrees before any backward
-                if cfg.entropy_floor and epoch == 0 and temperature != cfg.temperature:
-                    with autocast(), torch.no_grad():   # every rank reacts alike: the same passes everywhere
-                        _, at_config = response_logprobs(actor, micro, cfg.temperature, with_entropy=True)
-                    done.add({"guard/entropy": masked_mean(at_config, m).item()})
                 guard = cfg.entropy_floor and epoch == 0 and temperature == cfg.temperature
                 bypass = cfg.rollout_bypass_mode and epoch == 0
 
@@ -179,9 +181,10 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                 backward(actor, loss, ds)
             loss_total["actor/pg_loss"] += pg.item()
             done.add({f"actor/{k}": v.item() for k, v in pg_stats.items()})
-        if sft is not None:   # PPO-ptx: one pass of supervised data in every mini-batch, on every rank
+        if sft_batch is not None:   # PPO-ptx: one pass of supervised data in every mini-batch, on every rank
             with oom.agreed("actor"):
-                nll = sft_loss(accelerator, actor, sft, autocast)
+                nll = sft_loss(accelerator, actor, sft_batch, autocast)
+            with oom.agreed("actor"):
                 backward(actor, cfg.sft_coef * nll, ds)
             done.add({"actor/sft_loss": nll.item()})
         grad_norm, skipped = optimizer_step(actor, optim, max_grad_norm, ds)
@@ -192,7 +195,8 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
 
     for epoch in range(sched.epochs):
         for i, mb in enumerate(mini_batches(batch, mini)):
-            stats.merge(oom.retry("actor", lambda: mini_batch(mb, epoch, epoch == 0 and i == 0),
+            sft_batch = sft.next() if sft is not None else None   # drawn once: a redo trains on the same rows
+            stats.merge(oom.retry("actor", lambda: mini_batch(mb, epoch, epoch == 0 and i == 0, sft_batch),
                                   lambda: drop_gradients(actor, optim, ds)))
     return stats.means()
 

@@ -5,7 +5,9 @@ is redone on every rank with micro-batches 20% smaller, from the same rollouts.
     result = oom.retry("actor", work, drop)            # work() until a try passes, e.g. one mini-batch
     # inside work():
     micro, max_tokens = oom.size("actor")              # what the phase cuts its micro-batches by
-    with oom.agreed("actor"):                          # one micro-batch's forward (then its backward)
+    with oom.agreed("actor"):                          # one pass: a micro-batch's forward and loss
+        ...
+    with oom.agreed("actor"):                          # the next pass: its backward
         ...
 
 Every rank must meet where the OOM is agreed on: `agreed` catches an out-of-memory error in its
@@ -13,8 +15,9 @@ block (torch.OutOfMemoryError on a GPU; on a CPU torch's allocator raises a Runt
 then all ranks sum a flag (a collective every rank reaches, after the block) and, if any rank
 failed, all raise PhaseOOM together; `retry` then drops the partial work (`drop`, e.g.
 zeroing accumulated gradients), shrinks the phase's sizes, empties the caches and runs the unit
-again. Under ZeRO-3 a block must hold no collective after the point where an OOM can strike on
-one rank only (README, "OOM reaction": a forward's parameter gathers come before the LM head's
+again. A block holds one pass that runs collectives (one forward, or one backward): an OOM in a
+first pass must be agreed on before any rank enters the second pass's collectives. Under ZeRO-3
+a block must hold no collective after the point where an OOM can strike on one rank only (README, "OOM reaction": a forward's parameter gathers come before the LM head's
 allocations, where an OOM usually strikes; a backward or optimizer step that fails mid-way leaves
 the other ranks waiting in a collective, which nothing on this side can end).
 Sizes live here (run state, checkpointed), never in the config.
