@@ -125,7 +125,8 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
     reacted sampling temperature does not move; measured over the first epoch, with one more
     no-grad pass per micro-batch only while the sampling temperature differs from it. In bypass
     mode (no old-log-prob pass) actor/entropy is measured over the first epoch too, and
-    rollout/logprob_diff over the first mini-batch, the one pass at the sampler's weights. An OOM
+    rollout/logprob_diff over the first mini-batch's tokens on every rank, the one pass at the
+    sampler's weights (token-weighted, as sampler_drift gives it otherwise). An OOM
     redoes the mini-batch with smaller micro-batches, its partial gradients dropped (oom.py)."""
     stats = Stats()
     sched = schedule(cfg, "actor")
@@ -171,9 +172,9 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
                 if bypass:   # what the old-log-prob pass measures otherwise
                     done.add({"actor/entropy": agg_loss(entropy.detach(), m, cfg.loss_agg_mode,
                                                         seq_len=cfg.max_response_length).item()})
-                    if first:
-                        diff = masked_sum((logprob.detach() - micro["old_logprob"]).abs(), m) / m.sum()
-                        done.add({"rollout/logprob_diff": diff.item()})   # NaN where no token: dropped
+                    if first:   # summed here, divided once over every rank's tokens below
+                        done.total("logprob_diff", masked_sum((logprob.detach() - micro["old_logprob"]).abs(), m))
+                        done.total("logprob_diff_tokens", m.sum())
                 loss, pg, pg_stats, kl_loss = actor_loss(logprob, entropy)
                 if cfg.use_kl_loss:
                     loss_total["actor/kl_loss"] += kl_loss.item()
@@ -198,7 +199,13 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
             sft_batch = sft.next() if sft is not None else None   # drawn once: a redo trains on the same rows
             stats.merge(oom.retry("actor", lambda: mini_batch(mb, epoch, epoch == 0 and i == 0, sft_batch),
                                   lambda: drop_gradients(actor, optim, ds)))
-    return stats.means()
+    out = stats.means()
+    if cfg.rollout_bypass_mode:   # as sampler_drift logs it: the mean over every rank's response tokens
+        sums = torch.tensor([stats.totals.get("logprob_diff", 0.0), stats.totals.get("logprob_diff_tokens", 0.0)],
+                            dtype=torch.float64, device=accelerator.device)
+        total, count = accelerator.reduce(sums, reduction="sum").tolist()
+        out["rollout/logprob_diff"] = total / max(count, 1.0)
+    return out
 
 
 def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast, ds: bool, *, oom) -> dict:
@@ -238,6 +245,7 @@ class Stats:
     def __init__(self):
         self.values: dict[str, list[float]] = {}
         self.counts: dict[str, int] = {}
+        self.totals: dict[str, float] = {}   # sums, for a mean the caller weighs itself
 
     def add(self, metrics: dict):
         # a NaN (e.g. the norm of a skipped step) is kept so the key is: under several processes every
@@ -250,9 +258,14 @@ class Stats:
             self.values.setdefault(k, []).extend(v)
         for k, n in other.counts.items():
             self.counts[k] = self.counts.get(k, 0) + n
+        for k, x in other.totals.items():
+            self.totals[k] = self.totals.get(k, 0.0) + x
 
     def count(self, key: str, hit: bool):
         self.counts[key] = self.counts.get(key, 0) + int(hit)
+
+    def total(self, key: str, value):
+        self.totals[key] = self.totals.get(key, 0.0) + float(value)
 
     def means(self) -> dict:
         """Each metric's mean over its non-NaN values; NaN if it had none."""

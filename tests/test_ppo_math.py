@@ -967,3 +967,36 @@ def test_pf_ppo_resample_draws_in_proportion_to_the_weights():
     # all-equal scores under max_min: every row is both best and worst, all drawable
     assert len(set(torch.cat([pf_ppo_resample(torch.zeros(3), "max_min", 2.0, generator=g)
                               for _ in range(50)]).tolist())) == 3
+
+
+def test_bypass_logprob_diff_is_the_token_weighted_mean_of_the_first_mini_batch():
+    """rollout_bypass_mode: rollout/logprob_diff is measured in the update's first mini-batch, and
+    must be what the recompute path logs: the mean |sampler - actor| over every response token, not
+    a mean of micro-batch means (micro-batches of 1 and 7 response tokens here, far apart)."""
+    from contextlib import nullcontext
+    from accelerate import Accelerator
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from config import Config
+    from forward.batch import pack_batch
+    from forward.readouts import response_logprobs
+    from plumbing.oom import OomReaction, base_sizes
+    import train_ppo
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).float()
+    batch = pack_batch([[3, 4], [5, 6, 7]], [[8], [9, 10, 11, 12, 13, 14, 15]], pad_id=0)
+    mask = batch["response_mask"]                                                 # [2, 7]: 1 and 7 tokens
+    with torch.no_grad():
+        actor, _ = response_logprobs(model, batch, 1.0)                           # [2, 7]
+    batch["old_logprob"] = actor - torch.tensor([[4.0] * 7, [0.5] * 7])           # the sampler's: 4 and 0.5 off
+    batch["advantages"] = torch.ones_like(mask)
+    cfg = Config(rollout_bypass_mode=True, rollout_n=1, train_batch_size=2, ppo_mini_batch_size=2,
+                 ppo_micro_batch_size_per_device=1, ppo_epochs=1, use_kl_loss=False)
+    accelerator = Accelerator(cpu=True)
+    optim = torch.optim.SGD(model.parameters(), lr=0.0)
+    metrics = train_ppo.update_actor(accelerator, model, optim, batch, cfg, nullcontext, False,
+                                     oom=OomReaction(accelerator, base_sizes(cfg), cfg.max_oom_retries),
+                                     max_grad_norm=cfg.max_grad_norm)
+    expected = float(((batch["old_logprob"] - actor).abs() * mask).sum() / mask.sum())   # (4 + 7 * 0.5) / 8
+    assert expected == pytest.approx(7.5 / 8, rel=1e-5)
+    assert metrics["rollout/logprob_diff"] == pytest.approx(expected, rel=1e-5)
