@@ -141,7 +141,9 @@ def _sharded_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     _test_oom(batch)
     truncated = None
     if fused:
-        hidden = captured[0].reshape(tokens.shape[0], -1)                         # [n, H]
+        # n may be 0: a rank whose part of the row holds no response position scores nothing, and
+        # still takes part in the combine (and the backward) with the rest of its group
+        hidden = captured[0].reshape(-1, captured[0].shape[-1])                   # [n, H]
         logprob, entropy = head_logprobs(hidden, head.weight, tokens, temperature, *transform, with_entropy=with_entropy)
         if truncation is not None:
             truncated = truncated_logprobs(hidden, head.weight, tokens, temperature, *truncation, *transform)

@@ -105,7 +105,7 @@ def test_a_row_splits_into_equal_parts_with_the_row_boundaries():
 @pytest.mark.slow
 def test_two_ranks_split_equal_one_unsplit(tmp_path):
     """2 processes, sp=2, GQA (4 heads, 2 key-value heads), a packed row of 5 sequences padded to
-    an even length: log-probs, entropy, top-k/top-p log-probs, gradients and a ZeRO-3 step's
+    an even length, and a row whose first half holds no response position: log-probs, entropy, top-k/top-p log-probs, gradients and a ZeRO-3 step's
     weights, a critic's values and a reward model's scores against the unsplit pass
     (tests/ulysses_worker.py)."""
     out = tmp_path / "figures.json"
@@ -118,9 +118,11 @@ def test_two_ranks_split_equal_one_unsplit(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     f = json.loads(out.read_text())
     for key in ("logprob", "entropy", "truncated", "values", "reward_scores", "zero3_logprob", "zero3_entropy",
-                "zero3_truncated", "zero3_loss"):
+                "zero3_truncated", "zero3_loss", "lopsided_logprob", "lopsided_entropy", "lopsided_truncated",
+                "lopsided_values", "zero3_lopsided_logprob", "zero3_lopsided_entropy"):
         assert f[key] < 1e-5, (key, f)
     assert f["grad_relative"] < 1e-5 and f["zero3_grad_relative"] < 1e-5, f
+    assert f["lopsided_grad_relative"] < 1e-5, f   # a rank with no response position: no crash, no hang
     assert f["zero3_weights"] < 1e-5 < f["weights_moved"], f
     # the test can fail: each rank attending only within its own half of the row is far off
     assert f["without_all_to_all"] > 1e-2, f
