@@ -504,10 +504,13 @@ def validate_config(cfg: Config) -> None:
         sched, key = schedule(cfg, role), "ppo_mini_batch_size" if role == "actor" else "critic_ppo_mini_batch_size"
         need(cfg.train_batch_size % sched.mini_batch == 0,
              f"train_batch_size ({cfg.train_batch_size}) must be a multiple of {key} ({sched.mini_batch})")
+        # the key the budget came from: the critic's own, or the actor's that a critic left at None takes
+        budget = ("critic_" if role == "critic" and cfg.critic_ppo_max_token_len_per_device is not None
+                  else "") + "ppo_max_token_len_per_device"
+        sp = cfg.ulysses_sequence_parallel_size
         need(not cfg.use_dynamic_bsz or sched.max_tokens >= cfg.max_prompt_length + cfg.max_response_length,
-             f"{role}'s token budget {sched.max_tokens}" + (f" (per device x ulysses_sequence_parallel_size="
-                                                            f"{cfg.ulysses_sequence_parallel_size})"
-                                                            if cfg.ulysses_sequence_parallel_size > 1 else "")
+             f"{budget}={getattr(cfg, budget)} (the {role}'s token budget)"
+             + (f" x ulysses_sequence_parallel_size={sp} = {sched.max_tokens}" if sp > 1 else "")
              + f" must hold one whole sequence (max_prompt_length + max_response_length = "
                f"{cfg.max_prompt_length + cfg.max_response_length})")
     need(cfg.adv_estimator == "gae" or cfg.rollout_n > 1 or cfg.adv_estimator == "reinforce_plus_plus",

@@ -108,93 +108,154 @@ def drop_gradients(model, optim, ds: bool) -> None:
     (model.optimizer if ds else optim).zero_grad(set_to_none=True)
 
 
-def sft_loss(accelerator, actor, sft: SFTStream, autocast) -> torch.Tensor:
-    """Next-token NLL of one SFT micro-batch, normalised by the response tokens of all ranks (the
-    gradient average over ranks then gives the mean over every rank's tokens)."""
-    batch = to_device(sft.next(), accelerator.device)
-    mask = batch["response_mask"]                                                  # [s, R]
-    tokens = accelerator.reduce(mask.sum(), reduction="sum") / accelerator.num_processes
-    with autocast():
-        logprob, _ = response_logprobs(actor, batch, 1.0)                         # [s, R]
-    return -(logprob * mask).sum() / tokens
+def actor_loss(cfg: Config, micro: dict, logprob, entropy, norms: dict, entropy_coeff: float):
+    """verl's actor loss on one micro-batch -> (loss, pg_loss, pg_stats, kl_loss or None): the
+    clipped policy loss, minus the entropy bonus, plus the KL loss against the reference, each
+    aggregated by loss_agg_mode over the whole mini-batch (norms), so the micro-batch losses sum to
+    the mini-batch's. A sum of per-token terms: the chunked head can differentiate it in its pass."""
+    m = micro["response_mask"]                                                    # [b, R]
+    low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
+    high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+    pg, pg_stats = policy_loss(micro["old_logprob"], logprob, micro["advantages"], m, low, high, cfg.clip_ratio_c,
+                               cfg.loss_agg_mode, micro.get("is_weights"), **norms)
+    loss, kl_loss = pg, None
+    if entropy_coeff:
+        loss = loss - entropy_coeff * agg_loss(entropy, m, cfg.loss_agg_mode, **norms)
+    if cfg.use_kl_loss:
+        kl_loss = agg_loss(kl.kl_penalty(logprob, micro["ref_logprob"], cfg.kl_loss_type), m, cfg.loss_agg_mode,
+                           **norms)
+        loss = loss + cfg.kl_loss_coef * kl_loss
+    return loss, pg, pg_stats, kl_loss
 
 
 def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, ds: bool, sft=None,
                  temperature: float = 1.0, entropy_coeff: float = 0.0, *, oom, max_grad_norm: float) -> dict:
-    """guard/entropy (with entropy_floor): the entropy at the configured temperature, which a
-    reacted sampling temperature does not move; measured over the first epoch, with one more
-    no-grad pass per micro-batch only while the sampling temperature differs from it. In bypass
-    mode (no old-log-prob pass) actor/entropy is measured over the first epoch too, and
-    rollout/logprob_diff over the first mini-batch, the one pass at the sampler's weights. An OOM
-    redoes the mini-batch with smaller micro-batches, its partial gradients dropped (oom.py)."""
+    """ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch: each
+    micro-batch's forward, actor_loss, backward. Beside it, each under its own name: the OOM
+    reaction (a mini-batch redone from the same rollouts with smaller micro-batches, its partial
+    gradients dropped: oom.py), the entropy guard's measure (EntropyGuard), bypass mode's measures
+    (BypassMeasures) and the SFT mix (sft_pass, on rows drawn once per mini-batch)."""
     stats = Stats()
     sched = schedule(cfg, "actor")
     mini = sched.mini_batch * cfg.rollout_n // ulysses.data_parallel(accelerator)[0]   # per data-parallel rank
     agree = max_over_ranks(accelerator)
-    low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
-    high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+    guard, bypass = EntropyGuard(cfg, temperature), BypassMeasures(cfg)
 
-    def mini_batch(mb: dict, epoch: int, first: bool) -> Stats:
+    def mini_batch(mb: dict, epoch: int, first: bool, sft_rows: dict | None) -> Stats:
         done = Stats()   # this try's figures: a try that runs out of memory leaves none
         norms = mini_batch_norms(accelerator, mb["response_mask"], cfg)
-        loss_total = {"actor/pg_loss": 0.0, "actor/kl_loss": 0.0}
+        pg_total, kl_total = 0.0, 0.0
         for _, micro in micro_batches(mb, *oom.size("actor"), agree):
-            m = micro["response_mask"]
+            guard.extra_pass(actor, micro, epoch, autocast, oom, done)   # in its own agreed block
             with oom.agreed("actor"):   # forward and loss: every rank agrees before any backward
-                if cfg.entropy_floor and epoch == 0 and temperature != cfg.temperature:
-                    with autocast(), torch.no_grad():   # every rank reacts alike: the same passes everywhere
-                        _, at_config = response_logprobs(actor, micro, cfg.temperature, with_entropy=True)
-                    done.add({"guard/entropy": masked_mean(at_config, m).item()})
-                guard = cfg.entropy_floor and epoch == 0 and temperature == cfg.temperature
-                bypass = cfg.rollout_bypass_mode and epoch == 0
-
-                def actor_loss(logprob, entropy):   # a sum of per-token terms -> (loss, pg, pg_stats, kl_loss)
-                    pg, pg_stats = policy_loss(micro["old_logprob"], logprob, micro["advantages"], m, low, high,
-                                               cfg.clip_ratio_c, cfg.loss_agg_mode, micro.get("is_weights"), **norms)
-                    loss, kl_loss = pg, None
-                    if entropy_coeff:
-                        loss = loss - entropy_coeff * agg_loss(entropy, m, cfg.loss_agg_mode, **norms)
-                    if cfg.use_kl_loss:
-                        kl_loss = agg_loss(kl.kl_penalty(logprob, micro["ref_logprob"], cfg.kl_loss_type), m,
-                                           cfg.loss_agg_mode, **norms)
-                        loss = loss + cfg.kl_loss_coef * kl_loss
-                    return loss, pg, pg_stats, kl_loss
-                with autocast():   # the entropy only where the loss or the guard reads it; the head differentiates the loss
-                    logprob, entropy = response_logprobs(actor, micro, temperature,
-                                                         with_entropy=bool(entropy_coeff) or guard or bypass,
-                                                         entropy_grad=entropy_coeff != 0,
-                                                         loss_of=lambda lp, ent: actor_loss(lp, ent)[0])
-                if guard:
-                    done.add({"guard/entropy": masked_mean(entropy.detach(), m).item()})
-                if bypass:   # what the old-log-prob pass measures otherwise
-                    done.add({"actor/entropy": agg_loss(entropy.detach(), m, cfg.loss_agg_mode,
-                                                        seq_len=cfg.max_response_length).item()})
-                    if first:
-                        diff = masked_sum((logprob.detach() - micro["old_logprob"]).abs(), m) / m.sum()
-                        done.add({"rollout/logprob_diff": diff.item()})   # NaN where no token: dropped
-                loss, pg, pg_stats, kl_loss = actor_loss(logprob, entropy)
+                with autocast():   # the entropy only where the loss or a measure reads it; the head differentiates the loss
+                    logprob, entropy = response_logprobs(
+                        actor, micro, temperature,
+                        with_entropy=bool(entropy_coeff) or guard.reads_update(epoch) or bypass.on(epoch),
+                        entropy_grad=entropy_coeff != 0,
+                        loss_of=lambda lp, ent: actor_loss(cfg, micro, lp, ent, norms, entropy_coeff)[0])
+                guard.record(entropy, micro, epoch, done)
+                bypass.record(logprob, entropy, micro, epoch, first, done)
+                loss, pg, pg_stats, kl_loss = actor_loss(cfg, micro, logprob, entropy, norms, entropy_coeff)
                 if cfg.use_kl_loss:
-                    loss_total["actor/kl_loss"] += kl_loss.item()
+                    kl_total += kl_loss.item()
             with oom.agreed("actor"):
                 backward(actor, loss, ds)
-            loss_total["actor/pg_loss"] += pg.item()
+            pg_total += pg.item()
             done.add({f"actor/{k}": v.item() for k, v in pg_stats.items()})
-        if sft is not None:   # PPO-ptx: one pass of supervised data in every mini-batch, on every rank
-            with oom.agreed("actor"):
-                nll = sft_loss(accelerator, actor, sft, autocast)
-                backward(actor, cfg.sft_coef * nll, ds)
-            done.add({"actor/sft_loss": nll.item()})
+        sft_pass(accelerator, actor, sft_rows, cfg.sft_coef, autocast, ds, oom, done)
         grad_norm, skipped = optimizer_step(actor, optim, max_grad_norm, ds)
-        done.add(loss_total if cfg.use_kl_loss else {"actor/pg_loss": loss_total["actor/pg_loss"]})
+        done.add({"actor/pg_loss": pg_total, **({"actor/kl_loss": kl_total} if cfg.use_kl_loss else {})})
         done.add({"actor/grad_norm": grad_norm if not skipped else float("nan")})
         done.count("actor/skipped_steps", skipped)
         return done
 
     for epoch in range(sched.epochs):
         for i, mb in enumerate(mini_batches(batch, mini)):
-            stats.merge(oom.retry("actor", lambda: mini_batch(mb, epoch, epoch == 0 and i == 0),
+            sft_rows = sft.next() if sft is not None else None   # drawn once: a redo trains on the same rows
+            stats.merge(oom.retry("actor", lambda: mini_batch(mb, epoch, epoch == 0 and i == 0, sft_rows),
                                   lambda: drop_gradients(actor, optim, ds)))
-    return stats.means()
+    return bypass.finish(accelerator, stats, stats.means())
+
+
+# The reactions around the actor update, each under its own name.
+class EntropyGuard:
+    """guard/entropy (entropy_floor): the policy's entropy at the configured temperature, which a
+    reacted sampling temperature does not move, over the first epoch. While sampling at that
+    temperature the update's own pass gives it; otherwise one more no-grad pass per micro-batch,
+    in its own agreed block (an OOM there is agreed on before the training forward's collectives).
+    Every rank reacts alike, so every rank runs the same passes."""
+
+    def __init__(self, cfg: Config, temperature: float):
+        self.cfg = cfg
+        self.apart = bool(cfg.entropy_floor) and temperature != cfg.temperature
+
+    def reads_update(self, epoch: int) -> bool:
+        return bool(self.cfg.entropy_floor) and not self.apart and epoch == 0
+
+    def extra_pass(self, actor, micro: dict, epoch: int, autocast, oom, done: "Stats") -> None:
+        if self.apart and epoch == 0:
+            with oom.agreed("actor"), autocast(), torch.no_grad():
+                _, at_config = response_logprobs(actor, micro, self.cfg.temperature, with_entropy=True)
+            done.add({"guard/entropy": masked_mean(at_config, micro["response_mask"]).item()})
+
+    def record(self, entropy, micro: dict, epoch: int, done: "Stats") -> None:
+        if self.reads_update(epoch):
+            done.add({"guard/entropy": masked_mean(entropy.detach(), micro["response_mask"]).item()})
+
+
+class BypassMeasures:
+    """rollout_bypass_mode skips the old-log-prob pass, so the update measures what it gave:
+    actor/entropy over the first epoch, and rollout/logprob_diff over the first mini-batch (the one
+    pass at the sampler's weights), token-weighted over every rank as sampler_drift gives it."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def on(self, epoch: int) -> bool:
+        return self.cfg.rollout_bypass_mode and epoch == 0
+
+    def record(self, logprob, entropy, micro: dict, epoch: int, first: bool, done: "Stats") -> None:
+        if not self.on(epoch):
+            return
+        m = micro["response_mask"]                                                # [b, R]
+        done.add({"actor/entropy": agg_loss(entropy.detach(), m, self.cfg.loss_agg_mode,
+                                            seq_len=self.cfg.max_response_length).item()})
+        if first:   # summed here, divided once over every rank's tokens in finish
+            done.total("logprob_diff", masked_sum((logprob.detach() - micro["old_logprob"]).abs(), m))
+            done.total("logprob_diff_tokens", m.sum())
+
+    def finish(self, accelerator, stats: "Stats", out: dict) -> dict:
+        if self.cfg.rollout_bypass_mode:   # a collective: every rank runs it
+            sums = torch.tensor([stats.totals.get("logprob_diff", 0.0), stats.totals.get("logprob_diff_tokens", 0.0)],
+                                dtype=torch.float64, device=accelerator.device)
+            total, count = accelerator.reduce(sums, reduction="sum").tolist()
+            out["rollout/logprob_diff"] = total / max(count, 1.0)
+        return out
+
+
+def sft_pass(accelerator, actor, rows: dict | None, coef: float, autocast, ds: bool, oom, done: "Stats") -> None:
+    """The SFT mix (sft_files, PPO-ptx): one pass of supervised data in every mini-batch, on every
+    rank, added to the mini-batch's gradient; its forward and its backward each in their own agreed
+    block. rows: drawn once per mini-batch, outside the retried unit, so a redo trains on them."""
+    if rows is None:
+        return
+    with oom.agreed("actor"):
+        nll = sft_loss(accelerator, actor, rows, autocast)
+    with oom.agreed("actor"):
+        backward(actor, coef * nll, ds)
+    done.add({"actor/sft_loss": nll.item()})
+
+
+def sft_loss(accelerator, actor, batch: dict, autocast) -> torch.Tensor:
+    """Next-token NLL of one SFT micro-batch, normalised by the response tokens of all ranks (the
+    gradient average over ranks then gives the mean over every rank's tokens)."""
+    batch = to_device(batch, accelerator.device)
+    mask = batch["response_mask"]                                                  # [s, R]
+    tokens = accelerator.reduce(mask.sum(), reduction="sum") / accelerator.num_processes
+    with autocast():
+        logprob, _ = response_logprobs(actor, batch, 1.0)                         # [s, R]
+    return -(logprob * mask).sum() / tokens
 
 
 def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast, ds: bool, *, oom) -> dict:
@@ -234,6 +295,7 @@ class Stats:
     def __init__(self):
         self.values: dict[str, list[float]] = {}
         self.counts: dict[str, int] = {}
+        self.totals: dict[str, float] = {}   # sums, for a mean the caller weighs itself
 
     def add(self, metrics: dict):
         # a NaN (e.g. the norm of a skipped step) is kept so the key is: under several processes every
@@ -246,9 +308,14 @@ class Stats:
             self.values.setdefault(k, []).extend(v)
         for k, n in other.counts.items():
             self.counts[k] = self.counts.get(k, 0) + n
+        for k, x in other.totals.items():
+            self.totals[k] = self.totals.get(k, 0.0) + x
 
     def count(self, key: str, hit: bool):
         self.counts[key] = self.counts.get(key, 0) + int(hit)
+
+    def total(self, key: str, value):
+        self.totals[key] = self.totals.get(key, 0.0) + float(value)
 
     def means(self) -> dict:
         """Each metric's mean over its non-NaN values; NaN if it had none."""
@@ -585,8 +652,8 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
         truncated = tools.truncated if tools else is_truncated(sampled.responses, tokenizer.eos_token_id,
                                                                cfg.max_response_length)
         bonus = tools.bonus(cfg.tool_call_bonus) if tools and cfg.tool_call_bonus else None
-        token_scores = place_scores(shape_scores(cfg, scores, mask.sum(-1), truncated.to(device), ~nonfinite, bonus),
-                                    mask, cfg.reward_placement, cfg.reward_decay)
+        shaped = shape_scores(cfg, scores, sampled.responses, truncated.to(device), ~nonfinite, bonus)   # [b]
+        token_scores = place_scores(shaped, mask, cfg.reward_placement, cfg.reward_decay)
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic); an OOM redoes them
     with timed(times, "forward"), run.autocast():

@@ -141,7 +141,9 @@ def _sharded_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     _test_oom(batch)
     truncated = None
     if fused:
-        hidden = captured[0].reshape(tokens.shape[0], -1)                         # [n, H]
+        # n may be 0: a rank whose part of the row holds no response position scores nothing, and
+        # still takes part in the combine (and the backward) with the rest of its group
+        hidden = captured[0].reshape(-1, captured[0].shape[-1])                   # [n, H]
         logprob, entropy = head_logprobs(hidden, head.weight, tokens, temperature, *transform, with_entropy=with_entropy)
         if truncation is not None:
             truncated = truncated_logprobs(hidden, head.weight, tokens, temperature, *truncation, *transform)
@@ -165,17 +167,24 @@ def _sharded_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     return logprob, entropy, ulysses.combine(truncated, mine).view(B, R)
 
 
+_over_limit = [0]   # the test switch's passes over its limit so far, in this process
+
+
 def _test_oom(batch: dict) -> None:
     """A test switch, read here only: FLAT_PPO_TEST_OOM="RANK:N" makes the log-prob passes of the
     process with that RANK raise torch.OutOfMemoryError on a micro-batch of more than N tokens,
     right after the model's forward (past its ZeRO-3 gathers), where the LM head's [B, R, V] work
-    allocates the most. tests/test_oom.py drives the OOM reaction with it."""
+    allocates the most; "RANK:N:K": only on the K-th such pass (one OOM, at a chosen pass).
+    tests/test_oom_nan_early_stop.py drives the OOM reaction with it."""
     spec = os.environ.get("FLAT_PPO_TEST_OOM")
     if spec:
-        rank, limit = spec.split(":")
+        rank, limit, *nth = spec.split(":")
         tokens = int(batch["attention_mask"].sum())
         if os.environ.get("RANK", "0") == rank and tokens > int(limit):
-            raise torch.OutOfMemoryError(f"FLAT_PPO_TEST_OOM: a micro-batch of {tokens} tokens > {limit} on rank {rank}")
+            _over_limit[0] += 1
+            if not nth or _over_limit[0] == int(nth[0]):
+                raise torch.OutOfMemoryError(f"FLAT_PPO_TEST_OOM: a micro-batch of {tokens} tokens > {limit} on "
+                                             f"rank {rank}")
 
 
 @torch.no_grad()

@@ -5,15 +5,20 @@ is redone on every rank with micro-batches 20% smaller, from the same rollouts.
     result = oom.retry("actor", work, drop)            # work() until a try passes, e.g. one mini-batch
     # inside work():
     micro, max_tokens = oom.size("actor")              # what the phase cuts its micro-batches by
-    with oom.agreed("actor"):                          # one micro-batch's forward (then its backward)
+    with oom.agreed("actor"):                          # one pass: a micro-batch's forward and loss
+        ...
+    with oom.agreed("actor"):                          # the next pass: its backward
         ...
 
-Every rank must meet where the OOM is agreed on: `agreed` catches torch.OutOfMemoryError in its
-block, then all ranks sum a flag (a collective every rank reaches, after the block) and, if any
-rank failed, all raise PhaseOOM together; `retry` then drops the partial work (`drop`, e.g.
+Every rank must meet where the OOM is agreed on: `agreed` catches an out-of-memory error in its
+block (torch.OutOfMemoryError on a GPU; on a CPU torch's allocator raises a RuntimeError instead),
+then all ranks sum a flag (a collective every rank reaches, after the block) and, if any rank
+failed, all raise PhaseOOM together; `retry` then drops the partial work (`drop`, e.g.
 zeroing accumulated gradients), shrinks the phase's sizes, empties the caches and runs the unit
-again. Under ZeRO-3 a block must hold no collective after the point where an OOM can strike on
-one rank only (docs/checkpoints.md, "OOM reaction": a forward's parameter gathers come before the LM head's
+again. A block holds one pass that runs collectives (one forward, or one backward): an OOM in a
+first pass must be agreed on before any rank enters the second pass's collectives. Under ZeRO-3
+a block must hold no collective after the point where an OOM can strike on one rank only
+(docs/checkpoints.md, "OOM reaction": a forward's parameter gathers come before the LM head's
 allocations, where an OOM usually strikes; a backward or optimizer step that fails mid-way leaves
 the other ranks waiting in a collective, which nothing on this side can end).
 Sizes live here (run state, checkpointed), never in the config.
@@ -33,6 +38,13 @@ SHRINK = 0.8   # 20% smaller per OOM: the practice is to keep the OOM rate under
 PHASE_KEYS = {"log_prob": ("log_prob_micro_batch_size_per_device", "log_prob_max_token_len_per_device"),
               "actor": ("ppo_micro_batch_size_per_device", "ppo_max_token_len_per_device"),
               "critic": ("critic_ppo_micro_batch_size_per_device", "critic_ppo_max_token_len_per_device")}
+
+
+def is_oom(error: BaseException) -> bool:
+    """Out of memory: torch.OutOfMemoryError (CUDA), or the RuntimeError torch's CPU allocator
+    raises when the host cannot give it the memory (no OutOfMemoryError exists for that case)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error))
 
 
 class PhaseOOM(Exception):
@@ -80,8 +92,8 @@ class OomReaction:
         failed = False
         try:
             yield
-        except torch.OutOfMemoryError:
-            if self.max_retries <= 0:
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if self.max_retries <= 0 or not is_oom(error):
                 raise
             failed = True
         if self.max_retries > 0 and self._any(failed):

@@ -122,11 +122,16 @@ class Scorer:
         return [c for c in self.columns if c not in trajectory_columns]
 
 
-def shape_scores(cfg: Config, scores, lengths, truncated, valid=None, bonus=None):
+def shape_scores(cfg: Config, scores, responses, truncated, valid=None, bonus=None):
     """Training rewards from raw scores: DAPO overlong shaping, the truncation penalty, a bonus (the
     multi-turn tool_call_bonus), then clipping; a dropped sample (valid False: a non-finite score)
-    gets 0, no penalty. Validation and reward/* metrics report the raw scores."""
+    gets 0, no penalty. Validation and reward/* metrics report the raw scores.
+
+    responses: the token lists; overlong shaping measures each whole, tool tokens included, since
+    max_response_length is the whole trajectory's budget (verl's DAPO reward manager shapes on the
+    valid response length), not the count of the model's own tokens."""
     if cfg.overlong_buffer_len > 0:
+        lengths = torch.tensor([len(r) for r in responses], dtype=scores.dtype, device=scores.device)   # [B]
         scores = scores + overlong_penalty(lengths, cfg.max_response_length, cfg.overlong_buffer_len,
                                            cfg.overlong_penalty_factor)
     if cfg.truncation_penalty:

@@ -64,10 +64,9 @@ def group_metric(cfg: Config, part: Sampled, eos_id, is_verifier: bool) -> torch
             raise UserError(f"filter_groups_metric=acc needs a verifier (a reward_fn marked is_verifier); "
                             f"{cfg.reward_model_path or cfg.reward_fn} is not: use seq_reward or score")
         return ((scores >= 1.0) & finite).to(scores.dtype)
-    lengths = torch.tensor([len(r) for r in part.responses], dtype=scores.dtype)
     truncated = is_truncated(part.responses, eos_id, cfg.max_response_length).to(scores.device)
-    return shape_scores(cfg, torch.where(finite, scores, torch.zeros_like(scores)), lengths.to(scores.device),
-                        truncated, finite)
+    return shape_scores(cfg, torch.where(finite, scores, torch.zeros_like(scores)), part.responses, truncated,
+                        finite)
 
 
 def fill_groups(first: list[int], draw, sample, metric, agree_min, share: int, n: int, max_rounds: int,

@@ -83,6 +83,55 @@ def test_zero3_oom_on_one_rank_is_agreed_and_the_run_goes_on_with_smaller_micro_
     assert state["oom"]["sizes"] == {"log_prob": [6, 0], "actor": [6, 0], "critic": [8, 0]}
 
 
+def zero3_run(tmp_path, out, *args, oom=None):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3), "--main_process_port",
+           str(free_port()), str(SCRIPT), f"--output_dir={out}", *RUN, "--adv_estimator=grpo",
+           "--use_kl_in_reward=false", *args]
+    return forkserver.run(cmd, cwd=ROOT, env=env_for(tmp_path, **({"FLAT_PPO_TEST_OOM": oom} if oom else {})),
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_zero3_oom_in_the_sft_forward_on_one_rank_is_agreed_before_its_backward(tmp_path):
+    """The SFT mix's forward and backward are two passes: rank 0 runs out of memory in the forward
+    of step 1's first SFT pass (its 8 rows hold more than 30 tokens; PPO's micro-batches of 2 hold
+    20) while rank 1 would go on into the backward's collectives. Both must agree first (no
+    collective mismatch, no hang), redo the mini-batch on the same SFT rows, and train exactly as a
+    run configured with the smaller size from the start."""
+    import pandas as pd
+    sft = tmp_path / "sft.parquet"
+    pd.DataFrame({"prompt": [f"{a}+{a}=" for a in range(10, 42)],
+                  "response": [str(2 * a) for a in range(10, 42)]}).to_parquet(sft)
+    mix = ["--total_training_steps=2", f"--sft_files={sft}", "--sft_coef=1.0", "--sft_batch_size=16",
+           "--log_prob_micro_batch_size_per_device=2"]
+    proc = zero3_run(tmp_path, tmp_path / "oom", *mix, "--ppo_micro_batch_size_per_device=2", oom="0:30:1")
+    assert proc.returncode == 0, tail(proc)
+    warned = [line for line in proc.stderr.splitlines() if "out of memory in phase" in line]
+    assert len(warned) == 1 and "phase actor" in warned[0], tail(proc)
+    plain = zero3_run(tmp_path, tmp_path / "plain", *mix, "--ppo_micro_batch_size_per_device=1")
+    assert plain.returncode == 0, tail(plain)
+    reacted = records(tmp_path / "oom")
+    assert [r["guard/oom"] for r in reacted] == [1.0, 0.0]
+    assert same(reacted) == same(records(tmp_path / "plain"))   # the same SFT rows, not the next ones
+
+
+@pytest.mark.slow
+def test_zero3_oom_in_the_entropy_guards_pass_on_one_rank_is_agreed_before_the_training_forward(tmp_path):
+    """With the entropy reaction on (from step 2: entropy_floor far above any entropy), each
+    micro-batch of the first epoch has two forward passes, the guard's at the configured temperature
+    and the training one. Rank 0 runs out of memory in the guard's pass of step 2 (its 3rd pass of
+    over 70 tokens: step 1 trains 2 micro-batches of 80): both ranks agree before the training
+    forward's ZeRO-3 gathers, and the run goes on."""
+    proc = zero3_run(tmp_path, tmp_path / "out", "--total_training_steps=2", "--entropy_floor=100",
+                     "--entropy_floor_temperature=1.5", "--log_prob_micro_batch_size_per_device=2", oom="0:70:3")
+    assert proc.returncode == 0, tail(proc)
+    warned = [line for line in proc.stderr.splitlines() if "out of memory in phase" in line]
+    assert len(warned) == 1 and "step 2" in warned[0] and "phase actor" in warned[0], tail(proc)
+    logged = records(tmp_path / "out")
+    assert [r["guard/oom"] for r in logged] == [0.0, 1.0]
+    assert all(math.isfinite(r["guard/entropy"]) and math.isfinite(r["actor/pg_loss"]) for r in logged)
+
+
 @pytest.mark.slow
 def test_an_oom_redo_trains_exactly_like_the_smaller_size_and_its_sizes_resume(tmp_path):
     """The redone step is the step at the smaller size (no partial update, no doubled work): a run
@@ -116,6 +165,43 @@ def test_oom_after_max_oom_retries_in_a_row_stops_with_one_line_naming_the_phase
     assert len(error) == 1, proc.stderr[-3000:]
     assert "out of memory in phase log_prob 3 time(s) in a row, down to micro-batch size 4" in error[0]
     assert "lower log_prob_micro_batch_size_per_device" in error[0]
+
+
+CPU_OOM = """
+import resource, sys, torch
+from accelerate import Accelerator
+from plumbing.oom import OomReaction
+
+# the address space this process has, plus 1.5 GB: a real allocation past it fails in torch's
+# DefaultCPUAllocator (a RuntimeError, not torch.OutOfMemoryError), as a CPU run out of memory does
+vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + 1500 * 2**20, resource.RLIM_INFINITY))
+oom = OomReaction(Accelerator(cpu=True), {"actor": [8, 0]}, max_retries=3)
+tried = []
+
+
+def work():   # a micro-batch's activations: 300 MB a sequence (8 and 6 do not fit, 4 does)
+    micro, _ = oom.size("actor")
+    tried.append(micro)
+    with oom.agreed("actor"):
+        torch.empty(micro * 300 * 2**20, dtype=torch.uint8)
+
+
+oom.retry("actor", work)
+print("tried", tried, "guard/oom", oom.metrics()["guard/oom"])
+"""
+
+
+def test_a_cpu_allocation_failure_is_an_oom_the_reaction_redoes(tmp_path):
+    """On a CPU, running out of memory raises RuntimeError("DefaultCPUAllocator: can't allocate
+    memory"), not torch.OutOfMemoryError; the reaction must take it for what it is. Real: a process
+    whose address space is capped, asking for more than fits at 8 and 6 sequences."""
+    proc = forkserver.run([sys.executable, "-c", CPU_OOM], cwd=ROOT, env=env_for(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, tail(proc)
+    assert "tried [8, 6, 4] guard/oom 2.0" in proc.stdout, tail(proc)
+    warned = [line for line in proc.stderr.splitlines() if "out of memory in phase actor" in line]
+    assert len(warned) == 2 and "micro-batch size 4 (was micro-batch size 6" in warned[1], tail(proc)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -263,11 +263,26 @@ def test_a_dropped_sample_gets_no_shaping_penalty():
     from config import Config
     from rewards.scoring import shape_scores
     cfg = Config(truncation_penalty=0.5, overlong_buffer_len=2, max_response_length=4, reward_clip=0.0)
-    scores, lengths = t([1.0, 0.0]), t([4.0, 0.0])
+    scores, responses = t([1.0, 0.0]), [[5, 6, 7, 8], []]
     truncated = torch.tensor([True, True])
-    shaped = shape_scores(cfg, scores, lengths, truncated, valid=torch.tensor([True, False]))
+    shaped = shape_scores(cfg, scores, responses, truncated, valid=torch.tensor([True, False]))
     assert shaped[1].item() == 0.0
     assert shaped[0].item() == pytest.approx(1.0 - 1.0 - 0.5)   # overlong at the max (-1) and truncated (-0.5)
+
+
+def test_overlong_shaping_counts_tool_tokens_in_the_budget():
+    """max_response_length is the whole trajectory's budget (model and tool tokens), as verl's DAPO
+    reward manager measures the valid response length: 50 model + 48 tool + 2 model tokens use all
+    of 100, so the penalty is full, though the model wrote only 52 of them."""
+    from config import Config
+    from rewards.scoring import shape_scores
+    from rollout.tools.rollouts import ToolRolloutOutput
+    cfg = Config(overlong_buffer_len=20, overlong_penalty_factor=1.0, max_response_length=100, reward_clip=0.0)
+    tool_mask = torch.tensor([[1.0] * 50 + [0.0] * 48 + [1.0] * 2])                 # [1, 100]
+    out = ToolRolloutOutput([[1, 2]], [list(range(3, 103))], None, tool_mask, torch.tensor([False]), {}, [], 0.0)
+    assert out.batch(0)["response_mask"].sum().item() == 52                         # what the model wrote
+    shaped = shape_scores(cfg, t([1.0]), out.responses, torch.tensor([False]))
+    assert shaped.item() == pytest.approx(0.0)
 
 
 def test_reinforce_pp_discounted_returns_and_whitening():
@@ -952,3 +967,36 @@ def test_pf_ppo_resample_draws_in_proportion_to_the_weights():
     # all-equal scores under max_min: every row is both best and worst, all drawable
     assert len(set(torch.cat([pf_ppo_resample(torch.zeros(3), "max_min", 2.0, generator=g)
                               for _ in range(50)]).tolist())) == 3
+
+
+def test_bypass_logprob_diff_is_the_token_weighted_mean_of_the_first_mini_batch():
+    """rollout_bypass_mode: rollout/logprob_diff is measured in the update's first mini-batch, and
+    must be what the recompute path logs: the mean |sampler - actor| over every response token, not
+    a mean of micro-batch means (micro-batches of 1 and 7 response tokens here, far apart)."""
+    from contextlib import nullcontext
+    from accelerate import Accelerator
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from config import Config
+    from forward.batch import pack_batch
+    from forward.readouts import response_logprobs
+    from plumbing.oom import OomReaction, base_sizes
+    import train_ppo
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).float()
+    batch = pack_batch([[3, 4], [5, 6, 7]], [[8], [9, 10, 11, 12, 13, 14, 15]], pad_id=0)
+    mask = batch["response_mask"]                                                 # [2, 7]: 1 and 7 tokens
+    with torch.no_grad():
+        actor, _ = response_logprobs(model, batch, 1.0)                           # [2, 7]
+    batch["old_logprob"] = actor - torch.tensor([[4.0] * 7, [0.5] * 7])           # the sampler's: 4 and 0.5 off
+    batch["advantages"] = torch.ones_like(mask)
+    cfg = Config(rollout_bypass_mode=True, rollout_n=1, train_batch_size=2, ppo_mini_batch_size=2,
+                 ppo_micro_batch_size_per_device=1, ppo_epochs=1, use_kl_loss=False)
+    accelerator = Accelerator(cpu=True)
+    optim = torch.optim.SGD(model.parameters(), lr=0.0)
+    metrics = train_ppo.update_actor(accelerator, model, optim, batch, cfg, nullcontext, False,
+                                     oom=OomReaction(accelerator, base_sizes(cfg), cfg.max_oom_retries),
+                                     max_grad_norm=cfg.max_grad_norm)
+    expected = float(((batch["old_logprob"] - actor).abs() * mask).sum() / mask.sum())   # (4 + 7 * 0.5) / 8
+    assert expected == pytest.approx(7.5 / 8, rel=1e-5)
+    assert metrics["rollout/logprob_diff"] == pytest.approx(expected, rel=1e-5)

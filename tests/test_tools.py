@@ -602,10 +602,15 @@ def memorised(tokenizer, calc_tools):
     return memorise(tokenizer, calc_tools)
 
 
-def memorise(tokenizer, calc_tools, conversations=MEMORISED, kv_heads=1):
-    """A tiny Qwen2 (head_dim 32, which vLLM's CPU attention supports) trained until it reproduces MEMORISED's assistant turns (every model token at
-    probability > 0.9), and each conversation's token ids as the template renders them. kv_heads 2:
-    a model sequence parallelism of 2 can split (heads and key-value heads divisible by 2)."""
+def memorise(tokenizer, calc_tools, conversations=MEMORISED, kv_heads=1, train_steps=600):
+    """A tiny Qwen2 (head_dim 32, which vLLM's CPU attention supports) that reproduces the
+    conversations' assistant turns (every model token at probability > 0.9), and each
+    conversation's token ids as the template renders them. kv_heads 2: a model sequence
+    parallelism of 2 can split (heads and key-value heads divisible by 2).
+
+    Trained for up to train_steps; where that does not get there (the path Adam takes differs from
+    one CPU to another), the model is constructed instead (`constructed`), so the fixture cannot
+    miss on any CPU."""
     chat = ChatFormat(tokenizer, calc_tools.schemas)
     rows = []
     for question, turns in conversations:
@@ -637,7 +642,7 @@ def memorise(tokenizer, calc_tools, conversations=MEMORISED, kv_heads=1):
     torch.set_num_threads(1)   # tiny matrices: one thread is faster than contending for a shared CPU
     try:
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-        for _ in range(600):
+        for _ in range(train_steps):
             out = model(input_ids=x, attention_mask=attention, labels=labels)
             logp = torch.log_softmax(out.logits[:, :-1].detach(), -1).gather(-1, x[:, 1:, None])[..., 0]   # [B, L-1]
             if logp[labels[:, 1:] != -100].min().exp() > 0.9:
@@ -646,10 +651,41 @@ def memorise(tokenizer, calc_tools, conversations=MEMORISED, kv_heads=1):
             out.loss.backward()
             optimizer.step()
         else:
-            pytest.fail("the tiny model did not memorise the conversations")
+            return chat, constructed(tokenizer, rows, kv_heads), rows
     finally:
         torch.set_num_threads(threads)
     return chat, model.eval(), rows
+
+
+def constructed(tokenizer, rows, kv_heads):
+    """A Qwen2 that gives each model token of rows (prompt_len, ids, model positions) probability >
+    0.9 by construction, no optimiser: a random body wider than the number of model tokens, whose
+    last hidden states before them are then linearly independent, and an LM head solved by least
+    squares for the logits 12 * onehot(the next token) at each of them."""
+    n_model = sum(len(positions) for _, _, positions in rows)
+    heads = 2 * (n_model // 64 + 2)                  # hidden = 32 * heads > the number of model tokens
+    config = Qwen2Config(vocab_size=264, hidden_size=32 * heads, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048,
+                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    width = max(len(ids) for _, ids, _ in rows)
+    x = torch.full((len(rows), width), tokenizer.pad_token_id)                       # [B, L]
+    attention = torch.zeros_like(x)                                                  # [B, L]
+    for r, (_, ids, _) in enumerate(rows):
+        x[r, :len(ids)], attention[r, :len(ids)] = torch.tensor(ids), 1
+    with torch.no_grad():
+        hidden = model.model(input_ids=x, attention_mask=attention).last_hidden_state   # [B, L, H]
+        before = [(r, p - 1) for r, (_, _, positions) in enumerate(rows) for p in positions]
+        features = torch.stack([hidden[r, p] for r, p in before]).double()           # [n, H]
+        wanted = torch.tensor([x[r, p + 1] for r, p in before])                      # [n]
+        logits = 12.0 * torch.nn.functional.one_hot(wanted, config.vocab_size).double()   # [n, V]
+        model.lm_head.weight.copy_(torch.linalg.lstsq(features, logits).solution.T.float())   # [V, H]
+        logp = torch.log_softmax(model(input_ids=x, attention_mask=attention).logits, -1)   # [B, L, V]
+        got = torch.stack([logp[r, p, x[r, p + 1]] for r, p in before])              # [n]
+    assert got.exp().min() > 0.9, "the constructed LM head does not reproduce the conversations"
+    return model
 
 
 def hf_run(memorised, calc_tools, **limits):
@@ -675,6 +711,18 @@ def test_hf_engine_trajectory_is_the_templates_rendering(memorised, calc_tools):
         assert t.stop_reason == "done"
     assert [(t.turns, t.tool_calls, t.tool_errors) for t in trajectories] == [(2, 1, 0), (1, 0, 0)]
     assert "<tool_response>\n42\n</tool_response>" in memorised[0].tokenizer.decode(trajectories[0].response_ids)
+
+
+@pytest.mark.slow
+def test_the_constructed_fallback_reproduces_the_conversations_too(tokenizer, calc_tools):
+    """memorise's path where training falls short (train_steps=0: straight to the construction)."""
+    model_made = memorise(tokenizer, calc_tools, train_steps=0)
+    assert not model_made[1].config.tie_word_embeddings               # the constructed one, not a trained one
+    trajectories = hf_run(model_made, calc_tools)
+    for t, (prompt_len, ids, model_positions) in zip(trajectories, model_made[2]):
+        assert t.prompt_ids + t.response_ids == ids
+        assert [i + prompt_len for i, m in enumerate(t.mask) if m] == model_positions
+    assert [(t.turns, t.tool_calls, t.tool_errors) for t in trajectories] == [(2, 1, 0), (1, 0, 0)]
 
 
 @pytest.mark.slow

@@ -55,13 +55,20 @@ def test_token_budgets_are_per_device_so_a_split_micro_batch_holds_sp_times_as_m
     from config import schedule
     long = dict(use_dynamic_bsz=True, ppo_max_token_len_per_device=100, log_prob_max_token_len_per_device=300,
                 max_prompt_length=50, max_response_length=100)
-    with pytest.raises(UserError, match=r"actor's token budget 100 must hold one whole sequence"):
+    with pytest.raises(UserError, match=r"^ppo_max_token_len_per_device=100 \(the actor's token budget\) must hold "
+                                        r"one whole sequence \(max_prompt_length \+ max_response_length = 150\)"):
         validate_config(Config(**long))
     cfg = Config(**long, ulysses_sequence_parallel_size=2)
     validate_config(cfg)
     assert [schedule(cfg, role).max_tokens for role in ("actor", "critic", "log_prob")] == [200, 200, 600]
-    with pytest.raises(UserError, match=r"budget 300 \(per device x ulysses_sequence_parallel_size=3\) must hold"):
+    with pytest.raises(UserError, match=r"^ppo_max_token_len_per_device=100 \(the actor's token budget\) x "
+                                        r"ulysses_sequence_parallel_size=3 = 300 must hold"):
         validate_config(Config(**{**long, "max_response_length": 300}, ulysses_sequence_parallel_size=3))
+    # the critic's own budget is named by its own key
+    with pytest.raises(UserError, match=r"^critic_ppo_max_token_len_per_device=120 \(the critic's token budget\) "
+                                        r"must hold one whole sequence"):
+        validate_config(Config(**{**long, "ppo_max_token_len_per_device": 200},
+                               critic_ppo_max_token_len_per_device=120))
 
 
 def test_models_that_cannot_split_are_named():
@@ -97,7 +104,7 @@ def test_a_row_splits_into_equal_parts_with_the_row_boundaries():
 @pytest.mark.slow
 def test_two_ranks_split_equal_one_unsplit(tmp_path):
     """2 processes, sp=2, GQA (4 heads, 2 key-value heads), a packed row of 5 sequences padded to
-    an even length: log-probs, entropy, top-k/top-p log-probs, gradients and a ZeRO-3 step's
+    an even length, and a row whose first half holds no response position: log-probs, entropy, top-k/top-p log-probs, gradients and a ZeRO-3 step's
     weights, a critic's values and a reward model's scores against the unsplit pass
     (tests/ulysses_worker.py)."""
     out = tmp_path / "figures.json"
@@ -110,9 +117,11 @@ def test_two_ranks_split_equal_one_unsplit(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     f = json.loads(out.read_text())
     for key in ("logprob", "entropy", "truncated", "values", "reward_scores", "zero3_logprob", "zero3_entropy",
-                "zero3_truncated", "zero3_loss"):
+                "zero3_truncated", "zero3_loss", "lopsided_logprob", "lopsided_entropy", "lopsided_truncated",
+                "lopsided_values", "zero3_lopsided_logprob", "zero3_lopsided_entropy"):
         assert f[key] < 1e-5, (key, f)
     assert f["grad_relative"] < 1e-5 and f["zero3_grad_relative"] < 1e-5, f
+    assert f["lopsided_grad_relative"] < 1e-5, f   # a rank with no response position: no crash, no hang
     assert f["zero3_weights"] < 1e-5 < f["weights_moved"], f
     # the test can fail: each rank attending only within its own half of the row is far off
     assert f["without_all_to_all"] > 1e-2, f

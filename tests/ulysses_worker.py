@@ -63,6 +63,16 @@ def make_batch():
     return batch
 
 
+def make_lopsided_batch():
+    """One sequence of a 20-token prompt and a 2-token response: the row's first half (rank 0's)
+    holds no response position, so that rank scores nothing and must still take part."""
+    g = torch.Generator().manual_seed(3)
+    batch = pack_batch([torch.randint(1, 64, (20,), generator=g).tolist()],
+                       [torch.randint(1, 64, (2,), generator=g).tolist()], pad_id=0)
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=g)   # [1, 2]
+    return batch
+
+
 def loss_of(model, batch):
     """A PPO-shaped loss: advantage-weighted log-probs and an entropy bonus, masked token mean."""
     logprob, entropy = readouts.response_logprobs(model, batch, TEMPERATURE, with_entropy=True, entropy_grad=True)
@@ -89,6 +99,13 @@ def main(out_path):
     model.zero_grad()
     loss_of(model, batch).backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    lopsided = make_lopsided_batch()
+    with torch.no_grad():
+        ref_lopsided = readouts.response_logprobs(model, lopsided, TEMPERATURE, with_entropy=True,
+                                                  truncation=TRUNCATION)
+    model.zero_grad()
+    loss_of(model, lopsided).backward()
+    ref_lopsided_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     stepped = copy.deepcopy(model)
     optim = torch.optim.SGD(stepped.parameters(), lr=LR)
     optim.zero_grad()
@@ -100,6 +117,7 @@ def main(out_path):
     critic = make_value_model()
     with torch.no_grad():
         ref_values, ref_scores = readouts.critic_values(critic, batch), readouts.reward_model_scores(critic, batch)
+        ref_lopsided_values = readouts.critic_values(critic, lopsided)
 
     ulysses.setup(2)
     figures = {}
@@ -120,6 +138,23 @@ def main(out_path):
         torch.distributed.all_reduce(g)
         worst = max(worst, maxdiff(g / 2, ref_grads[n]) / max(1e-8, float(ref_grads[n].abs().max())))
     figures["grad_relative"] = worst
+    # a rank with no response position in its part of the row (the chunked head, no DeepSpeed)
+    with torch.no_grad():
+        lp, ent, trunc = readouts.response_logprobs(model, lopsided, TEMPERATURE, with_entropy=True,
+                                                    truncation=TRUNCATION)
+        values = readouts.critic_values(critic, lopsided)
+    figures.update(lopsided_logprob=maxdiff(lp, ref_lopsided[0]), lopsided_entropy=maxdiff(ent, ref_lopsided[1]),
+                   lopsided_truncated=maxdiff(trunc, ref_lopsided[2]),
+                   lopsided_values=maxdiff(values, ref_lopsided_values))
+    model.zero_grad()
+    loss_of(model, lopsided).backward()
+    worst = 0.0
+    for n, p in model.named_parameters():
+        g = p.grad.clone()
+        torch.distributed.all_reduce(g)
+        worst = max(worst, maxdiff(g / 2, ref_lopsided_grads[n]) / max(1e-8, float(ref_lopsided_grads[n].abs().max())))
+    figures["lopsided_grad_relative"] = worst
+    model.zero_grad()
 
     # sp=2 without DeepSpeed's all-to-all: each rank attends only within its half of the row
     part = ulysses.split(packing.pack(batch))
@@ -144,6 +179,10 @@ def main(out_path):
                                                     truncation=TRUNCATION)
     figures.update(zero3_logprob=maxdiff(lp, ref_lp), zero3_entropy=maxdiff(ent, ref_ent),
                    zero3_truncated=maxdiff(trunc, ref_trunc))
+    with torch.no_grad():
+        lp, ent = readouts.response_logprobs(engine, lopsided, TEMPERATURE, with_entropy=True)
+    figures.update(zero3_lopsided_logprob=maxdiff(lp, ref_lopsided[0]),
+                   zero3_lopsided_entropy=maxdiff(ent, ref_lopsided[1]))
     loss = loss_of(engine, batch)
     figures["zero3_loss"] = maxdiff(loss, ref_loss)
     engine.backward(loss)
