@@ -59,7 +59,7 @@ CALL_OPEN = '{"name": "calculator", "arguments": {"expression": "'
 CALL_CLOSE = '"}}'
 PHRASES = ["user", "assistant", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
            CALL_OPEN, CALL_CLOSE]                                   # ids 100.., after the system message (99)
-VOCAB_SIZE = 112                                                    # embedding rows (a few spare)
+VOCAB_SIZE = 112                                                    # embedding rows while warm-starting
 
 SEED = 0
 N_VAL = 200        # validation prompts, disjoint from everything trained on
@@ -258,6 +258,9 @@ def main() -> None:
           f"{greedy['calls']:.2f}; sampled at T=1: accuracy {sampled['accuracy']:.3f}, calls/sample "
           f"{sampled['calls']:.2f}, accuracy when called {sampled['accuracy_when_called']:.3f}")
 
+    # the spare rows go before saving: an id past the tokenizer decodes to no text, so a trajectory that
+    # sampled one is not what the chat template renders, and the trainer's per-turn check stops the run
+    model.resize_token_embeddings(len(tokenizer))
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id, do_sample=False)
     shutil.rmtree(MODEL_DIR, ignore_errors=True)
