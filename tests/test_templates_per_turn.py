@@ -136,8 +136,8 @@ def test_generated_ids_that_retokenize_differently_stop_the_run(calc):
 
 
 def test_an_id_beyond_the_tokenizer_stops_the_run_naming_it(calc):
-    """A model's embedding may have rows past the tokenizer's vocabulary (examples/demo_tools_model has
-    112 for 108 tokens) and sampling may pick one: it decodes to no text, so the rendering lacks it."""
+    """A model's embedding may have rows past the tokenizer's vocabulary (Qwen2.5's has 151,936 for
+    151,665 tokens) and sampling may pick one: it decodes to no text, so the rendering lacks it."""
     tokenizer = qwen_style_tokenizer()
     chat = ChatFormat(tokenizer, calc.schemas)
     spare = len(tokenizer) + 2
