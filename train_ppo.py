@@ -753,7 +753,7 @@ def train_step(run: Run, step: int) -> dict:
     # 1-3 generate, score, forward passes
     sampled, filtered = None, {}
     if run.rollouts is not None:   # 1 one_step_off/async: the batch generated ahead, up to max_staleness versions old
-        with timed(times, "gen"):
+        with timed(times, "wait_rollout"):
             idx, rollout, filtered = run.rollouts.take(step, sampling_params(cfg, temperature))
         sampled = sample(run, idx, engine, temperature, times, rollout=rollout)
     elif cfg.filter_groups_enable:   # DAPO: rounds of prompts until every rank holds its share of groups that vary

@@ -242,22 +242,20 @@ class RolloutSide:
 
     def take(self, step: int, params) -> tuple[list[int], RolloutOutput, dict]:
         """Step `step`'s batch (requesting what the bound allows first) -> (prompt indices, rollouts, metrics:
-        its staleness, the time this side waited for it and the rollout side waited for work)."""
+        its staleness, and on the rollout side's clock its generation time and how long it waited for
+        work before it (the slowest share's))."""
         self.request_ahead(params)
-        start = time.perf_counter()
         parts = self.parts.setdefault(step, {})
         while len(parts) < max(self.count, 1):
             result = self._watching(lambda: self.results.get(timeout=POLL_S), polling=True)
             if result is not None:
                 self.parts.setdefault(result[0], {})[result[1]] = result
-        waited = time.perf_counter() - start
         done = [parts[k] for k in sorted(self.parts.pop(step))]
         idx, _ = self.asked.pop(step)
         out = RolloutOutput.concat([RolloutOutput(r[2], r[3]) for r in done])
         lag = [step - 1 - r[4] for r in done for _ in r[2]]
         return idx, out, {"rollout/staleness_mean": sum(lag) / len(lag), "rollout/staleness_max": float(max(lag)),
-                          "time/wait_rollout_s": waited, "time/wait_train_s": max(r[6] for r in done),
-                          "time/rollout_gen_s": max(r[5] for r in done)}
+                          "rollout/gen_s": max(r[5] for r in done), "rollout/wait_train_s": max(r[6] for r in done)}
 
     def position(self, step: int) -> dict:
         """The data position to resume at before `step` (batches requested ahead are drawn again)."""

@@ -1,0 +1,174 @@
+"""The asynchronous modes (rollout_mode: one_step_off | async): real runs of train_ppo.py on the demo
+model with real rollout processes (spawned, the hf engine, weights over a gloo group).
+
+What is compared: every metric both runs log except timings (time/*, perf/*) and the rollout
+side's own clock (rollout/gen_s, rollout/wait_train_s), step by step, within fp32 tolerance: the
+runs share the machine and thread count, but the samples come from another process's copy of the
+actor, so only the arithmetic may differ, never the samples.
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import forkserver
+from mlflow_store import sqlite_uri
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "train_ppo.py"
+ARGS = ["--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=16",
+        "--ppo_epochs=1", "--test_freq=-1", "--val_before_train=false", "--mlflow_log_model=false"]
+ASYNC_ONLY = ("rollout/staleness_mean", "rollout/staleness_max", "rollout/gen_s", "rollout/wait_train_s",
+              "time/wait_rollout_s")
+CLOCK = ("time/", "perf/", "rollout/gen_s", "rollout/wait_train_s")
+
+
+def command(out, *extra):
+    return [sys.executable, str(SCRIPT), f"--output_dir={out}", *ARGS, *extra]
+
+
+def env_for(tmp):
+    return dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp), PYTHONUNBUFFERED="1")
+
+
+def train(tmp, name, *extra, steps=3):
+    out = tmp / name
+    proc = forkserver.run(command(out, f"--total_training_steps={steps}", *extra), cwd=tmp, env=env_for(tmp),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_run(expected, got):
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for want, have in zip(expected, got):
+        keys = {k for k in want if not k.startswith(CLOCK)}
+        assert keys == {k for k in have if not k.startswith(CLOCK) and (k in want or k not in ASYNC_ONLY)}, want["step"]
+        for k in keys:
+            assert have[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (want["step"], k)
+
+
+@pytest.mark.slow
+def test_async_with_max_staleness_0_is_the_colocated_run(tmp_path):
+    colocated = train(tmp_path, "colocated")
+    asynchronous = train(tmp_path, "async", "--rollout_mode=async", "--max_staleness=0")
+    assert_same_run(colocated, asynchronous)
+    assert [r["rollout/staleness_max"] for r in asynchronous] == [0.0, 0.0, 0.0]
+    assert colocated[-1]["kl/mean"] > 1e-4   # the policy moved: the batches after the first test the weight sync
+
+
+@pytest.mark.slow
+def test_one_step_off_is_the_one_step_late_schedule_run_sequentially(tmp_path):
+    """rollout_processes=0 runs the same schedule (step t+1's batch from the weights after step t-1)
+    in the training process, one batch after the other; 1 and 2 rollout processes overlap it and
+    must log the same numbers (the draws are keyed to the prompt and sample, not the process)."""
+    extra = ("--rollout_mode=one_step_off", "--rollout_is=token")
+    sequential = train(tmp_path, "sequential", *extra, "--rollout_processes=0", steps=4)
+    assert [r["rollout/staleness_mean"] for r in sequential] == [0.0, 1.0, 1.0, 1.0]
+    assert_same_run(sequential, train(tmp_path, "one", *extra, "--rollout_processes=1", steps=4))
+    assert_same_run(sequential, train(tmp_path, "two", *extra, "--rollout_processes=2", steps=4))
+    colocated = train(tmp_path, "colocated", "--rollout_is=token", steps=4)
+    assert sequential[0]["reward/score_mean"] == colocated[0]["reward/score_mean"]   # step 1: the same batch
+    assert sequential[1]["actor/pg_loss"] != pytest.approx(colocated[1]["actor/pg_loss"])   # then a stale one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slow_side", ["rollout", "trainer"])
+def test_staleness_never_exceeds_max_staleness(tmp_path, slow_side):
+    extra = ["--rollout_mode=async", "--max_staleness=2", "--rollout_bypass_mode=true"]
+    extra += ["--rollout_delay_s=0.5"] if slow_side == "rollout" else ["--ppo_epochs=6"]
+    records = train(tmp_path, slow_side, *extra, steps=5)
+    assert len(records) == 5
+    for r in records:
+        assert 0 <= r["rollout/staleness_mean"] <= r["rollout/staleness_max"] <= 2, r
+        assert r["rollout/staleness_max"] <= r["step"] - 1   # never older than the first weights
+        assert all(math.isfinite(v) for v in r.values())
+
+
+def _pids(stdout_path: Path) -> list[int]:
+    text = stdout_path.read_text() if stdout_path.exists() else ""
+    return [int(line.split("(pid ")[1].rstrip(")")) for line in text.splitlines() if line.startswith("rollout process")]
+
+
+def _start_long_run(tmp):
+    out, log = tmp / "out", tmp / "stdout.txt"
+    proc = forkserver.Popen(command(out, "--total_training_steps=200", "--rollout_mode=async", "--max_staleness=0",
+                                    "--rollout_delay_s=0.2"),
+                            cwd=tmp, env=env_for(tmp), stdout=log.open("w"), stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out / "metrics.jsonl").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    return proc, _pids(log)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+def test_a_killed_rollout_process_ends_the_run_with_one_line(tmp_path):
+    proc, pids = _start_long_run(tmp_path)
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: rollout process 0 (pid {pids[0]}) ended (killed by SIGKILL): the run stops; resume "
+                      f"with the same command"], stderr[-3000:]
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_ends_the_rollout_process(tmp_path):
+    proc, pids = _start_long_run(tmp_path)
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.time() + 60
+    while any(_alive(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+REFUSED = [
+    (["--rollout_mode=one_step_off"], "rollout_bypass_mode=true"),
+    (["--rollout_mode=async", "--max_staleness=1"], "rollout_is=token|sequence"),
+    (["--rollout_mode=async", "--max_staleness=0", "--partial_rollout=true"], "partial_rollout=true"),
+    (["--rollout_mode=async", "--max_staleness=0", "--tools=rollout.tools.builtin:calculator"], "tools="),
+    (["--rollout_mode=async", "--max_staleness=0", "--filter_groups_enable=true"], "filter_groups_enable=True"),
+    (["--rollout_mode=async", "--max_staleness=0", "--lora_rank=4"], "lora_rank=4"),
+    (["--rollout_mode=async", "--max_staleness=0", "--ulysses_sequence_parallel_size=2"],
+     "ulysses_sequence_parallel_size=2"),
+    (["--rollout_mode=async", "--max_staleness=0", "--rollout_engine=vllm"], "rollout_engine='vllm'"),
+    (["--rollout_mode=async", "--max_staleness=0", "--kl_rollback_threshold=0.5"], "kl_rollback_threshold=0.5"),
+    (["--rollout_mode=sometimes"], "rollout_mode must be one of"),
+    (["--rollout_processes=-1"], "rollout_processes must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("args,named", REFUSED)
+def test_what_the_asynchronous_modes_do_not_run_is_refused_in_one_line(args, named):
+    from config import load_config
+    from errors import UserError
+    with pytest.raises(UserError) as e:
+        load_config(args)
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_several_training_processes_are_refused_in_one_line():
+    from config import load_config
+    from distribution.prepare import check_world_size
+    from errors import UserError
+    with pytest.raises(UserError, match="rollout_mode=async runs with one training process") as e:
+        check_world_size(load_config(["--rollout_mode=async", "--max_staleness=0"]), 2)
+    assert "\n" not in str(e.value)
