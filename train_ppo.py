@@ -384,6 +384,7 @@ class Run:
     tools: typing.Any = None                     # multi-turn rollouts (tools / environment), else None
     oom: typing.Any = None                       # the OOM reaction and the micro-batch sizes in use (oom.py)
     rollouts: typing.Any = None                  # one_step_off/async: the rollout side (rollout/asynchronous.py)
+    in_flight: dict | None = None                # its batches generated ahead, from a checkpoint
 
 
 def hf_engine(run: Run):
@@ -465,6 +466,7 @@ def setup(cfg: Config) -> Run:
     if cfg.rollout_mode != "colocated":   # generation in its own loop; the RNG as colocated leaves it (seeds drawn from it)
         with torch.random.fork_rng(devices=[]):
             run.rollouts = RolloutSide(cfg, train.ids, run.stream, tokenizer.eos_token_id, tokenizer.pad_token_id, steps)
+        run.rollouts.load_state_dict(run.in_flight)
         run.rollouts.send(run.first_step - 1, actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))
     tags = run_tags(world, distributed.zero_stage(accelerator), run.engine.name, HERE)
     run.tracker = Tracker(out_dir, accelerator.is_main_process, uri=cfg.mlflow_tracking_uri,
@@ -504,6 +506,7 @@ def restore(run: Run, path: Path, state: dict) -> None:
     """A checkpoint's models, optimizers, schedules, RNGs, KL controller and data position."""
     mine = load_checkpoint(run.accelerator, run.ds, path, state, run.trained)
     run.engine_state = mine.get("engine", {})   # the sampler's seed counter: a resumed run samples the same
+    run.in_flight = mine.get("in_flight")       # the asynchronous modes' batches generated ahead
     if run.engine is not None:
         run.engine.load_state_dict(run.engine_state)
     run.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -863,12 +866,11 @@ def checkpoint(run: Run, step: int) -> None:
     cfg, accelerator, tracker, guards = run.cfg, run.accelerator, run.tracker, run.guards
     save_checkpoint(accelerator, run.ds, cfg.output_dir, cfg.save_total_limit, step, run.trained, {
         "config": dataclasses.asdict(cfg), "kl_ctrl": run.kl_ctrl.state_dict(),
-        # the asynchronous modes drew the prompts of batches in flight: a resumed run draws them again
-        "data": run.rollouts.position(step + 1) if run.rollouts else {"epoch": run.stream.epoch, "pos": run.stream.pos},
+        "data": {"epoch": run.stream.epoch, "pos": run.stream.pos},
         "sft_data": {"epoch": run.sft.rows.epoch, "pos": run.sft.rows.pos} if run.sft else None,
         "mlflow_run_id": tracker.run_id, "rollbacks": guards.rollbacks,
         "entropy_reaction": guards.entropy_reaction, "guards": guards.state_dict(), "oom": run.oom.state_dict()},
-        {"engine": run.engine.state_dict()})
+        {"engine": run.engine.state_dict(), "in_flight": run.rollouts.state_dict() if run.rollouts else None})
 
 
 def main(cfg: Config) -> None:

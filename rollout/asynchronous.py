@@ -173,7 +173,7 @@ class RolloutSide:
         self.cfg, self.prompt_ids, self.stream, self.total_steps = cfg, prompt_ids, stream, total_steps
         self.ahead = 1 if cfg.rollout_mode == "one_step_off" else cfg.max_staleness
         self.count, self.version, self.requested = cfg.rollout_processes, None, 0
-        self.asked: dict[int, tuple] = {}     # step -> (prompt indices, data position before them)
+        self.asked: dict[int, list] = {}      # step -> its prompt indices, for the batches not yet taken
         self.parts: dict[int, dict] = {}      # step -> {part: result}
         spec = dict(model_path=cfg.model_path, dtype=cfg.dtype, eos=eos, pad=pad, micro_batch=cfg.rollout_micro_batch_size,
                     threads=torch.get_num_threads(), delay_s=cfg.rollout_delay_s, latest=cfg.rollout_mode == "async")
@@ -227,16 +227,14 @@ class RolloutSide:
         prompts are drawn from the stream and the seed from torch's RNG, in step order."""
         while self.requested < min(self.version + 1 + self.ahead, self.total_steps):
             step = self.requested = max(self.requested + 1, self.version + 1)
-            position = (self.stream.epoch, self.stream.pos)
-            idx = self.stream.next()
-            self.asked[step] = (idx, position)
+            idx = self.asked[step] = self.stream.next()
             seeded = SamplingParams(**{**vars(params), "seed": int(torch.randint(2**62, ()))})
             request = {"step": step, "prompts": [self.prompt_ids[i] for i in idx], "params": seeded}
             if self.count == 0:
                 start = time.perf_counter()
                 out = self.local.generate(request, Share.of(0, len(idx), len(idx)))
-                self.parts[step] = {0: (step, 0, out.responses, out.logprobs, self.local.version,
-                                        time.perf_counter() - start, 0.0)}
+                self.parts[step] = {0: [step, 0, out.responses, out.logprobs, self.local.version,
+                                        time.perf_counter() - start, 0.0]}
             else:
                 self._put(("request", request))
 
@@ -245,22 +243,38 @@ class RolloutSide:
         its staleness, and on the rollout side's clock its generation time and how long it waited for
         work before it (the slowest share's))."""
         self.request_ahead(params)
-        parts = self.parts.setdefault(step, {})
-        while len(parts) < max(self.count, 1):
-            result = self._watching(lambda: self.results.get(timeout=POLL_S), polling=True)
-            if result is not None:
-                self.parts.setdefault(result[0], {})[result[1]] = result
-        done = [parts[k] for k in sorted(self.parts.pop(step))]
-        idx, _ = self.asked.pop(step)
+        self._collect(step)
+        parts = self.parts.pop(step)
+        done = [parts[k] for k in sorted(parts)]
+        idx = self.asked.pop(step)
         out = RolloutOutput.concat([RolloutOutput(r[2], r[3]) for r in done])
         lag = [step - 1 - r[4] for r in done for _ in r[2]]
         return idx, out, {"rollout/staleness_mean": sum(lag) / len(lag), "rollout/staleness_max": float(max(lag)),
                           "rollout/gen_s": max(r[5] for r in done), "rollout/wait_train_s": max(r[6] for r in done)}
 
-    def position(self, step: int) -> dict:
-        """The data position to resume at before `step` (batches requested ahead are drawn again)."""
-        epoch, pos = self.asked[step][1] if step in self.asked else (self.stream.epoch, self.stream.pos)
-        return {"epoch": epoch, "pos": pos}
+    def _collect(self, step: int) -> None:
+        """Wait until every share of step `step`'s batch is in."""
+        parts = self.parts.setdefault(step, {})
+        while len(parts) < max(self.count, 1):
+            result = self._watching(lambda: self.results.get(timeout=POLL_S), polling=True)
+            if result is not None:
+                self.parts.setdefault(result[0], {})[result[1]] = list(result)
+
+    def state_dict(self) -> dict:
+        """The batches in flight, waited for: a resumed run trains on these samples (and their versions)
+        and requests the rest as the uninterrupted run did, so a schedule that repeats itself
+        (one_step_off; async with max_staleness 0 or rollout_processes 0) resumes exactly."""
+        for step in self.asked:
+            self._collect(step)
+        return {"requested": self.requested,
+                "batches": {str(step): {"idx": idx, "parts": list(self.parts[step].values())}
+                            for step, idx in self.asked.items()}}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        for step, batch in (state or {}).get("batches", {}).items():
+            self.asked[int(step)] = batch["idx"]
+            self.parts[int(step)] = {part[1]: part for part in batch["parts"]}
+        self.requested = (state or {}).get("requested", self.requested)
 
     def _watching(self, wait, polling: bool = False):
         """wait() while every rollout process lives; one that ended stops the run with one line.

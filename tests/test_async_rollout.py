@@ -37,11 +37,13 @@ def env_for(tmp):
     return dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp), PYTHONUNBUFFERED="1")
 
 
-def train(tmp, name, *extra, steps=3):
+def train(tmp, name, *extra, steps=3, said=""):
+    """The run's metrics.jsonl records; said: a line its stdout must hold."""
     out = tmp / name
     proc = forkserver.run(command(out, f"--total_training_steps={steps}", *extra), cwd=tmp, env=env_for(tmp),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert said in proc.stdout, proc.stdout[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -172,3 +174,29 @@ def test_several_training_processes_are_refused_in_one_line():
     with pytest.raises(UserError, match="rollout_mode=async runs with one training process") as e:
         check_world_size(load_config(["--rollout_mode=async", "--max_staleness=0"]), 2)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [("--rollout_mode=one_step_off", "--rollout_is=token"),
+                                  ("--rollout_mode=async", "--max_staleness=0")], ids=["one_step_off", "async0"])
+def test_a_run_killed_and_resumed_logs_the_uninterrupted_runs_numbers(tmp_path, mode):
+    """SIGKILL of the trainer (its rollout process goes with it) after step 3, checkpoints every 2
+    steps: the resumed run trains on the batches that were in flight at the checkpoint (saved with
+    their versions) and must log exactly what the uninterrupted run logged."""
+    extra = [*mode, "--total_training_steps=6", "--save_freq=2", "--rollout_delay_s=0.3"]
+    reference = train(tmp_path, "reference", *extra, steps=6)
+    out = tmp_path / "killed"
+    proc = forkserver.Popen(command(out, *extra), cwd=tmp_path, env=env_for(tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    metrics = out / "metrics.jsonl"
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
+        assert proc.poll() is None
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait(timeout=60)
+    saved = sorted((out / "checkpoints").glob("step_*"))
+    assert saved, "killed before the first checkpoint"
+    resumed = train(tmp_path, "killed", *extra, steps=6, said=f"resuming from {saved[-1]}")
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(CLOCK)} for r in rs]   # noqa: E731
+    assert strip(resumed) == strip(reference)
