@@ -200,3 +200,29 @@ def test_a_run_killed_and_resumed_logs_the_uninterrupted_runs_numbers(tmp_path, 
     resumed = train(tmp_path, "killed", *extra, steps=6, said=f"resuming from {saved[-1]}")
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(CLOCK)} for r in rs]   # noqa: E731
     assert strip(resumed) == strip(reference)
+
+
+def test_the_phase_model_reads_colocated_and_overlapped_runs():
+    from plumbing.phase_model import phase_times, predict
+    colocated = [{"step": 1, "time/step_s": 99.0, "time/gen_s": 50.0, "time/sync_s": 1.0},   # warm-up: left out
+                 {"step": 2, "time/step_s": 10.0, "time/gen_s": 3.0, "time/sync_s": 1.0}]
+    assert phase_times(colocated) == {"gen": 3.0, "train": 6.0, "sync": 1.0}
+    overlapped = [{"step": 1, "time/step_s": 9.0, "time/wait_rollout_s": 2.0, "time/sync_s": 0.5, "rollout/gen_s": 4.0}]
+    assert phase_times(overlapped) == {"gen": 4.0, "train": 6.5, "sync": 0.5}
+    steps = predict(3.0, 6.0, 1.0)
+    assert steps["colocated"] == 10.0 and steps["one_step_off"] == 7.0 and steps["async (max_staleness 0)"] == 10.0
+    assert predict(8.0, 2.0, 1.0)["one_step_off"] == 9.0   # generation-bound: the trainer waits
+
+
+def test_dry_run_predicts_each_mode_from_the_last_runs_metrics(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"step": 0, "val/accuracy": 0.1},
+        {"step": 1, "time/step_s": 10.0, "time/gen_s": 5.0, "time/sync_s": 0.0},
+        {"step": 2, "time/step_s": 10.0, "time/gen_s": 5.0, "time/sync_s": 0.0}]) + "\n")
+    proc = forkserver.run([sys.executable, str(SCRIPT), "--dry_run", f"--output_dir={out}"], cwd=tmp_path,
+                          env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "generation 5.00 s, training 5.00 s, sync 0.00 s per step" in proc.stdout
+    assert "one_step_off                    5.00 s/step  (2.00x colocated)" in proc.stdout
