@@ -32,9 +32,10 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 from collections import deque
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
@@ -55,7 +56,7 @@ class Sampler:
         from rollout.hf import HFEngine
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval().requires_grad_(False)
         self.params = dict(self.model.named_parameters())
-        bf16 = lambda: torch.autocast(self.model.device.type, dtype=torch.bfloat16)   # noqa: E731 (as the actor's)
+        bf16 = lambda: torch.autocast(self.model.device.type, dtype=torch.bfloat16)   # as the actor's
         self.engine = HFEngine(self.model, eos, pad, micro_batch, [bf16] if dtype == "bf16" else [])
         self.version = -1
 
@@ -68,10 +69,6 @@ class Sampler:
     def generate(self, request: dict, share: Share) -> RolloutOutput:
         rows = list(share.rows)
         return self.engine.generate([request["prompts"][i] for i in rows], request["params"], share)
-
-
-def _bucket_bytes(tensors):
-    return torch.cat([t.detach().reshape(-1).contiguous().view(torch.uint8) for t in tensors])
 
 
 def _unpack(spec, buffer):
@@ -105,28 +102,28 @@ def serve(rank: int, count: int, port: int, spec: dict, ctrl, results, parent: i
     group = stateless_init_torch_distributed_process_group("127.0.0.1", port, rank, count + 1, backend="gloo",
                                                            timeout=START_TIMEOUT)
     sampler = Sampler(spec["model_path"], spec["dtype"], spec["eos"], spec["pad"], spec["micro_batch"])
-    pending, waited = deque(), 0.0
+    pending, waited = deque(), 0.0   # requests not yet generated; seconds idle since the last batch
     while True:
-        start = time.perf_counter()
-        try:   # async: every message already sent is taken before a batch starts (the freshest weights)
+        idle, start = not pending, time.perf_counter()
+        try:   # with a request pending only what was sent already; idle, wait for the trainer
             msg = ctrl.get_nowait() if pending else ctrl.get(timeout=POLL_S)
         except queue.Empty:
-            if pending:
-                msg = None
-            else:
-                waited += time.perf_counter() - start
-                if os.getppid() != parent:
-                    return
-                continue
-        if not pending:
+            msg = None
+        if idle:
             waited += time.perf_counter() - start
+        if msg is None and idle:
+            if os.getppid() != parent:
+                return
+            continue
         if msg is not None and msg[0] == "stop":
             return
         if msg is not None and msg[0] == "weights":
             sampler.load(_receive_weights(ctrl, group), msg[1])
         if msg is not None and msg[0] == "request":
             pending.append(msg[1])
-        if pending and (msg is None or not spec["latest"]):   # one_step_off: strictly in the order sent
+        # one_step_off handles each message in the order sent; async first takes every message already
+        # sent (the freshest weights), then generates
+        if pending and (msg is None or not spec["latest"]):
             results.put(_generate(sampler, pending.popleft(), rank - 1, count, spec["delay_s"], waited))
             waited = 0.0
 
@@ -178,7 +175,7 @@ class RolloutSide:
         spec = dict(model_path=cfg.model_path, dtype=cfg.dtype, eos=eos, pad=pad, micro_batch=cfg.rollout_micro_batch_size,
                     threads=torch.get_num_threads(), delay_s=cfg.rollout_delay_s, latest=cfg.rollout_mode == "async")
         if self.count == 0:   # the reference: the same schedule in this process, each message handled when sent
-            self.local, self.spec = Sampler(cfg.model_path, cfg.dtype, eos, pad, cfg.rollout_micro_batch_size), spec
+            self.local = Sampler(cfg.model_path, cfg.dtype, eos, pad, cfg.rollout_micro_batch_size)
             return
         ctx = multiprocessing.get_context("spawn")
         port = _free_port()
@@ -191,9 +188,22 @@ class RolloutSide:
                 proc.start()
         for rank, proc in enumerate(self.procs):
             print(f"rollout process {rank} started (pid {proc.pid})", flush=True)
+        self.group = self._start_group(port)
+
+    def _start_group(self, port: int):
+        """The gloo group of this process (rank 0) and the rollout processes, started in a thread so that
+        a rollout process that dies before it joins ends the run instead of the group's long timeout."""
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-        self.group = self._watching(lambda: stateless_init_torch_distributed_process_group(
-            "127.0.0.1", port, 0, self.count + 1, backend="gloo", timeout=START_TIMEOUT))
+        made: dict = {}
+        thread = threading.Thread(target=lambda: made.update(group=stateless_init_torch_distributed_process_group(
+            "127.0.0.1", port, 0, self.count + 1, backend="gloo", timeout=START_TIMEOUT)), daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(POLL_S)
+            self._check_alive()
+        if "group" not in made:
+            raise UserError(f"the rollout processes did not join the weight-sync group within {START_TIMEOUT}")
+        return made["group"]
 
     def send(self, version: int, weights) -> None:
         """Policy version `version`'s weights to every rollout side, in buckets (phase 6)."""
@@ -201,21 +211,23 @@ class RolloutSide:
         if self.count == 0:
             self.local.load(weights, version)
             return
-        budget, bucket = self.cfg.rollout_sync_bucket_mb * 2**20, []
+        budget, spec, data, size = self.cfg.rollout_sync_bucket_mb * 2**20, [], [], 0
         self._put(("weights", version))
         for name, tensor in weights:
-            bucket.append((name, tensor))
-            if sum(t.numel() * t.element_size() for _, t in bucket) >= budget:
-                self._send_bucket(bucket)
-                bucket = []
-        if bucket:
-            self._send_bucket(bucket)
+            # copied as it comes: under ZeRO-3 the gathered tensor is released once the next bucket is gathered
+            data.append(tensor.detach().reshape(-1).contiguous().view(torch.uint8).clone())
+            spec.append((name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), data[-1].numel()))
+            size += data[-1].numel()
+            if size >= budget:
+                self._send_bucket(spec, data)
+                spec, data, size = [], [], 0
+        if spec:
+            self._send_bucket(spec, data)
         self._put(("end",))
 
-    def _send_bucket(self, bucket) -> None:
-        self._put(("bucket", [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
-                              for name, t in bucket]))
-        buffer = _bucket_bytes([t for _, t in bucket])
+    def _send_bucket(self, spec: list, data: list) -> None:
+        self._put(("bucket", spec))
+        buffer = torch.cat(data)
         self._watching(lambda: self.group.broadcast(buffer, 0).wait())
 
     def _put(self, msg) -> None:
@@ -256,7 +268,7 @@ class RolloutSide:
         """Wait until every share of step `step`'s batch is in."""
         parts = self.parts.setdefault(step, {})
         while len(parts) < max(self.count, 1):
-            result = self._watching(lambda: self.results.get(timeout=POLL_S), polling=True)
+            result = self._watching(lambda: self.results.get(timeout=POLL_S))
             if result is not None:
                 self.parts.setdefault(result[0], {})[result[1]] = list(result)
 
@@ -276,30 +288,27 @@ class RolloutSide:
             self.parts[int(step)] = {part[1]: part for part in batch["parts"]}
         self.requested = (state or {}).get("requested", self.requested)
 
-    def _watching(self, wait, polling: bool = False):
-        """wait() while every rollout process lives; one that ended stops the run with one line.
-        polling: wait() gives up after POLL_S (queue.Empty -> None) and is asked again."""
-        while True:
-            try:
-                return wait()
-            except queue.Empty:
-                failed = None
-            except RuntimeError as e:   # gloo: a peer's connection closed (or the group's start timed out)
-                failed = e
-                for _ in range(int(10 / POLL_S)):   # the process that closed it is about to be reaped
-                    if not all(p.is_alive() for p in self.procs):
-                        break
-                    time.sleep(POLL_S)
-            dead = [(rank, p) for rank, p in enumerate(self.procs) if not p.is_alive()]
-            if failed is not None and not dead:
-                raise failed
-            if dead:
-                rank, proc = dead[0]
-                how = f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0 else f"exit code {proc.exitcode}"
-                raise UserError(f"rollout process {rank} (pid {proc.pid}) ended ({how}): the run stops; resume with the "
-                                f"same command")
-            if polling:
-                return None
+    def _watching(self, wait):
+        """wait(), in a run whose rollout processes live; one that ended stops the run with one line.
+        A wait() that gives up (queue.Empty, after POLL_S) -> None, to be asked again."""
+        try:
+            return wait()
+        except queue.Empty:
+            self._check_alive()
+            return None
+        except RuntimeError:   # gloo: a peer's connection closed
+            for _ in range(int(10 / POLL_S)):   # the process that closed it is about to be reaped
+                self._check_alive()
+                time.sleep(POLL_S)
+            raise
+
+    def _check_alive(self) -> None:
+        dead = [(rank, p) for rank, p in enumerate(self.procs) if not p.is_alive()]
+        if dead:
+            rank, proc = dead[0]
+            how = f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0 else f"exit code {proc.exitcode}"
+            raise UserError(f"rollout process {rank} (pid {proc.pid}) ended ({how}): the run stops; resume with the "
+                            f"same command")
 
     def close(self) -> None:
         if self.count == 0:
