@@ -156,12 +156,6 @@ def _without_launcher_env():
         os.environ.update(saved)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RolloutSide:
     """The training side's view of the rollout side: weights out, the step's batch in.
     send(version, weights) after each update; take(step) -> (prompt indices, rollouts, metrics)."""
@@ -178,7 +172,10 @@ class RolloutSide:
             self.local = Sampler(cfg.model_path, cfg.dtype, eos, pad, cfg.rollout_micro_batch_size)
             return
         ctx = multiprocessing.get_context("spawn")
-        port = _free_port()
+        # the group's store is served from a socket bound here: under torchelastic the usual rendezvous
+        # would make rank 0 a client of the launcher's own store
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
         self.ctrl, self.results = [ctx.Queue() for _ in range(self.count)], ctx.Queue()
         self.procs = [ctx.Process(target=serve, args=(rank + 1, self.count, port, spec, self.ctrl[rank], self.results,
                                                       os.getpid()), daemon=True, name=f"rollout-{rank}")
@@ -188,15 +185,16 @@ class RolloutSide:
                 proc.start()
         for rank, proc in enumerate(self.procs):
             print(f"rollout process {rank} started (pid {proc.pid})", flush=True)
-        self.group = self._start_group(port)
+        self.group = self._start_group(port, listener)
 
-    def _start_group(self, port: int):
+    def _start_group(self, port: int, listener: socket.socket):
         """The gloo group of this process (rank 0) and the rollout processes, started in a thread so that
         a rollout process that dies before it joins ends the run instead of the group's long timeout."""
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
         made: dict = {}
         thread = threading.Thread(target=lambda: made.update(group=stateless_init_torch_distributed_process_group(
-            "127.0.0.1", port, 0, self.count + 1, backend="gloo", timeout=START_TIMEOUT)), daemon=True)
+            "127.0.0.1", port, 0, self.count + 1, backend="gloo", timeout=START_TIMEOUT, listen_socket=listener)),
+            daemon=True)
         thread.start()
         while thread.is_alive():
             thread.join(POLL_S)

@@ -226,3 +226,20 @@ def test_dry_run_predicts_each_mode_from_the_last_runs_metrics(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "generation 5.00 s, training 5.00 s, sync 0.00 s per step" in proc.stdout
     assert "one_step_off                    5.00 s/step  (2.00x colocated)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_under_accelerate_launch_with_zero3_the_buckets_carry_the_gathered_weights(tmp_path):
+    """One training process under `accelerate launch` (torchelastic: the rollout side's group must
+    not use the launcher's store) with ZeRO-3: the weights gathered in 0.5 MB buckets reach the
+    rollout process, so the run logs what the plain one_step_off run logs."""
+    extra = ("--rollout_mode=one_step_off", "--rollout_is=token", "--rollout_sync_bucket_mb=0.5")
+    plain = train(tmp_path, "plain", *extra)
+    out = tmp_path / "zero3"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(ROOT / "accelerate_configs" / "zero3.yaml"), "--num_processes", "1", str(SCRIPT),
+              *command(out, "--total_training_steps=3", *extra)[2:]]
+    proc = forkserver.run(launch, cwd=ROOT, env=env_for(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DeepSpeed ZeRO-3" in proc.stdout
+    assert_same_run(plain, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
