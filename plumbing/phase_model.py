@@ -11,7 +11,8 @@ cycle ends in the same sync and a step takes max(G, T) + S; async with max_stale
 overlap (G + T + S). Splitting the same devices instead (a share r of them generating, the rest
 training) under linear scaling gives max(G / r, T / (1 - r)) + S, at best G + T + S at r = G / (G + T):
 on the same devices the overlap pays only as far as the phases scale worse than linearly (decoding
-is memory-bound; a long tail holds every rank of a colocated step).
+is memory-bound; a long tail holds every rank of a colocated step). Read it from a colocated run:
+an overlapped run's time/sync_s also holds the trainer's wait for the batch being generated.
 """
 from __future__ import annotations
 
