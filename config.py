@@ -182,6 +182,20 @@ class Config:
                                            "old log-probs, so the actor's no-grad pass is skipped (PPO's ratio is "
                                            "then against the sampler, as in TRL); actor/entropy comes from the "
                                            "update's first epoch, rollout/logprob_diff from its first mini-batch")
+    rollout_mode: str = opt("colocated", "colocated (generate, then train, every step) | one_step_off (step t+1's "
+                                         "batch is generated with the weights after step t-1 while step t trains) | "
+                                         "async (the rollout side runs ahead, each batch at most max_staleness "
+                                         "policy versions old); the asynchronous modes run the hf engine in "
+                                         "rollout_processes processes beside the launch (rollout/asynchronous.py)")
+    rollout_processes: int = opt(1, "one_step_off/async: processes that run the rollout engine, each sampling a share of "
+                                    "every batch; 0 = in the training process, one batch after the other (the same "
+                                    "schedule without the overlap: a reference)")
+    max_staleness: int = opt(1, "async: how many policy versions a batch's samples may lag the weights they train "
+                                "(0 = on-policy, generated after the previous update)")
+    partial_rollout: bool = opt(False, "async: a weight update interrupts generation and unfinished responses continue "
+                                       "under the new weights (not built yet: false)")
+    rollout_delay_s: float = opt(0.0, "one_step_off/async: the rollout side waits this long before each batch (a slow "
+                                      "sampler, for tests and measurements); 0 = none")
     temperature: float = opt(1.0, "sampling temperature for rollouts; log-probs use the same temperature")
     top_p: float = opt(1.0, "nucleus sampling for rollouts")
     top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")
@@ -563,6 +577,53 @@ def validate_config(cfg: Config) -> None:
             need(not Path(path).is_dir(), f"{key}: {path} is a directory; give parquet or jsonl files, comma-separated")
             need(Path(path).is_file(), f"{key}: file {path} does not exist")
     need(_split_files(cfg.train_files), "train_files is empty: give at least one parquet or jsonl file")
+    validate_rollout_mode(cfg)
+
+
+ROLLOUT_MODES = ("colocated", "one_step_off", "async")
+
+
+def stale_samples(cfg: Config) -> bool:
+    """A batch may have been sampled by older weights than the ones it trains (staleness >= 1)."""
+    return cfg.rollout_mode == "one_step_off" or (cfg.rollout_mode == "async" and cfg.max_staleness >= 1)
+
+
+def validate_rollout_mode(cfg: Config) -> None:
+    """The asynchronous modes' keys, and what does not run in them yet (each refused by name)."""
+    def need(ok, msg):
+        if not ok:
+            raise UserError(msg)
+
+    mode = cfg.rollout_mode
+    need(mode in ROLLOUT_MODES, f"rollout_mode must be one of {ROLLOUT_MODES}, got {mode!r}")
+    need(cfg.rollout_processes >= 0, f"rollout_processes must be >= 0, got {cfg.rollout_processes}")
+    need(cfg.max_staleness >= 0, f"max_staleness must be >= 0, got {cfg.max_staleness}")
+    need(cfg.rollout_delay_s >= 0, f"rollout_delay_s must be >= 0, got {cfg.rollout_delay_s}")
+    if mode == "colocated":
+        return
+    need(not cfg.partial_rollout, f"partial_rollout=true is not built yet: a weight update waits for the batch being "
+                                  f"generated (set partial_rollout=false)")
+    refused = (("rollout_engine", cfg.rollout_engine != "hf", "the rollout processes run the hf engine (vllm there is "
+                "not built yet): set rollout_engine=hf"),
+               ("tools" if cfg.tools else "environment", bool(cfg.tools or cfg.environment), "multi-turn rollouts do not run on the rollout side yet: "
+                "set rollout_mode=colocated"),
+               ("filter_groups_enable", cfg.filter_groups_enable, "DAPO's dynamic sampling does not run on the rollout "
+                "side yet: set rollout_mode=colocated"),
+               ("lora_rank", cfg.lora_rank > 0, "a LoRA actor's merged weights are not sent to the rollout side yet: "
+                "set rollout_mode=colocated"),
+               ("ulysses_sequence_parallel_size", cfg.ulysses_sequence_parallel_size > 1, "sequence parallelism does "
+                "not run with a rollout side yet: set rollout_mode=colocated"),
+               ("rollout_max_logprob_diff", cfg.rollout_max_logprob_diff > 0, "with stale samples the drift measures "
+                "the policy's lag, not the sampler; the reaction is not built for the asynchronous modes: set 0"),
+               ("kl_rollback_threshold", cfg.kl_rollback_threshold > 0, "a rollback would leave batches in flight "
+                "from the weights it discards; not built for the asynchronous modes: set 0"))
+    for key, hit, why in refused:
+        need(not hit, f"{key}={getattr(cfg, key)!r} with rollout_mode={mode}: {why}")
+    need(not stale_samples(cfg) or cfg.rollout_bypass_mode or cfg.rollout_is != "off",
+         f"rollout_mode={mode}" + (f" with max_staleness={cfg.max_staleness}" if mode == "async" else "")
+         + ": samples may come from older weights, so the sampler's log-probs are the behaviour policy: set "
+           "rollout_bypass_mode=true (PPO's ratio against the sampler) or rollout_is=token|sequence (truncated "
+           "importance weights on the recomputed old log-probs)")
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from prompts.sets import PromptSet, load_prompts, load_sft
 from prompts.streams import PromptStream, SFTStream, sft_batch_size
 from rewards.scoring import Scorer, shape_scores
 from rollout import SamplingParams
+from rollout.asynchronous import RolloutSide
 from rollout.dynamic_sampling import Sampled, fill_groups, group_metric
 from rollout.engines import fresh_mismatch_warning, generate_split, make_engine
 from rollout.sync import actor_weights
@@ -449,6 +450,8 @@ class Run:
     peak_flops: float = 0.0                      # the device's peak FLOP/s; 0 = unknown, no perf/mfu
     tools: typing.Any = None                     # multi-turn rollouts (tools / environment), else None
     oom: typing.Any = None                       # the OOM reaction and the micro-batch sizes in use (oom.py)
+    rollouts: typing.Any = None                  # one_step_off/async: the rollout side (rollout/asynchronous.py)
+    in_flight: dict | None = None                # its batches generated ahead, from a checkpoint
 
 
 def hf_engine(run: Run):
@@ -532,6 +535,11 @@ def setup(cfg: Config) -> Run:
     peak = torch.tensor([flops.peak(accelerator.device, cfg.dtype == "bf16", cfg.peak_tflops)], device=accelerator.device)
     run.peak_flops = float(accelerator.gather(peak).min())
     start_engine(run)
+    if cfg.rollout_mode != "colocated":   # generation in its own loop; the RNG as colocated leaves it (seeds drawn from it)
+        with torch.random.fork_rng(devices=[]):
+            run.rollouts = RolloutSide(cfg, train.ids, run.stream, tokenizer.eos_token_id, tokenizer.pad_token_id, steps)
+        run.rollouts.load_state_dict(run.in_flight)
+        run.rollouts.send(run.first_step - 1, actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))
     tags = run_tags(world, distributed.zero_stage(accelerator), run.engine.name, HERE) | sandbox_tags
     run.tracker = Tracker(out_dir, accelerator.is_main_process, uri=cfg.mlflow_tracking_uri,
                           experiment=cfg.mlflow_experiment, run_name=cfg.run_name, params=dataclasses.asdict(cfg),
@@ -570,6 +578,7 @@ def restore(run: Run, path: Path, state: dict) -> None:
     """A checkpoint's models, optimizers, schedules, RNGs, KL controller and data position."""
     mine = load_checkpoint(run.accelerator, run.ds, path, state, run.trained)
     run.engine_state = mine.get("engine", {})   # the sampler's seed counter: a resumed run samples the same
+    run.in_flight = mine.get("in_flight")       # the asynchronous modes' batches generated ahead
     if run.engine is not None:
         run.engine.load_state_dict(run.engine_state)
     run.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -599,10 +608,17 @@ class Rollouts:
     tool_stats: dict = field(default_factory=dict)   # tools/* and time/tools_s (multi-turn)
 
 
-def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, again: bool = False) -> Sampled:
+def sampling_params(cfg: Config, temperature: float) -> SamplingParams:
+    return SamplingParams(n=cfg.rollout_n, temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                          max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
+
+
+def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, again: bool = False,
+           rollout=None) -> Sampled:
     """Phases 1-2 on this rank's prompts idx, up to the raw scores: rollout_n responses per prompt,
     prompt-major order. again: dynamic sampling's next round, on an engine that slept after the
-    last one (sleep level 2 dropped the weights: sent again)."""
+    last one (sleep level 2 dropped the weights: sent again). rollout: generated already (the
+    asynchronous modes' rollout side): scored only."""
     cfg, device = run.cfg, run.accelerator.device
     prompts = run.train.take(idx, cfg.rollout_n)                                  # one row per response
     with timed(times, "gen"):
@@ -611,13 +627,12 @@ def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, ag
                 engine.wake_up(["weights"])
                 engine.load_weights(actor_weights(run.actor, run.ds, cfg.rollout_sync_bucket_mb))
             engine.wake_up()
-        sampling = SamplingParams(n=cfg.rollout_n, temperature=temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                  max_tokens=cfg.max_response_length, ignore_eos=cfg.rollout_ignore_eos)
         # each rank of a sequence-parallel group samples a share; multi-turn: one trajectory per prompt
         # and sample (prompts repeated rollout_n times), every rank as many passes
-        rollout = generate_split(engine, prompts if run.tools else run.train.take(idx), sampling, run.tools,
-                                 any_over_ranks(run.accelerator))
-        engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
+        if rollout is None:
+            rollout = generate_split(engine, prompts if run.tools else run.train.take(idx),
+                                     sampling_params(cfg, temperature), run.tools, any_over_ranks(run.accelerator))
+            engine.sleep()   # vLLM on GPU: weights and KV cache leave the GPU while the models train
     with timed(times, "score"):
         # multi-turn: response_mask is 0 at tool tokens (no policy loss, KL, entropy, value or advantage)
         batch = to_device(rollout.batch(run.tokenizer.pad_token_id) if run.tools else
@@ -807,12 +822,16 @@ def train_step(run: Run, step: int) -> dict:
     run.oom.start_step(step)
     per_rank = cfg.train_batch_size // dp
     share = lambda: run.stream.next()[dp_rank * per_rank:][:per_rank]   # noqa: E731
-    idx = share()                                                                  # this rank's prompts
+    idx = share() if run.rollouts is None else None                              # this rank's prompts
     group_ids = torch.arange(cfg.train_batch_size, device=device).repeat_interleave(cfg.rollout_n)  # [B] all ranks
 
     # 1-3 generate, score, forward passes
     sampled, filtered = None, {}
-    if cfg.filter_groups_enable:   # DAPO: rounds of prompts until every rank holds its share of groups that vary
+    if run.rollouts is not None:   # 1 one_step_off/async: the batch generated ahead, up to max_staleness versions old
+        with timed(times, "wait_rollout"):
+            idx, rollout, filtered = run.rollouts.take(step, sampling_params(cfg, temperature))
+        sampled = sample(run, idx, engine, temperature, times, rollout=rollout)
+    elif cfg.filter_groups_enable:   # DAPO: rounds of prompts until every rank holds its share of groups that vary
         sampled, filtered = fill_groups(idx, share, lambda i, again: sample(run, i, engine, temperature, times, again),
                                         lambda part: group_metric(cfg, part, run.tokenizer.eos_token_id,
                                                                   run.scorer.is_verifier),
@@ -848,11 +867,15 @@ def train_step(run: Run, step: int) -> dict:
             metrics["actor/lr"] = actor_sched.get_last_lr()[0]
             actor_sched.step()
 
-    # 6 sync: the updated actor into the rollout engine (a no-op for hf: it is the actor)
+    # 6 sync: the updated actor into the rollout engine (a no-op for hf: it is the actor); one_step_off/async:
+    # to the rollout side, as policy version `step`
     with timed(times, "sync"):
-        engine.wake_up(["weights"])
-        engine.load_weights(actor_weights(run.actor, run.ds, cfg.rollout_sync_bucket_mb))
-        engine.wake_up(["kv_cache"])
+        if run.rollouts is not None:
+            run.rollouts.send(step, actor_weights(run.actor, run.ds, cfg.rollout_sync_bucket_mb))
+        else:
+            engine.wake_up(["weights"])
+            engine.load_weights(actor_weights(run.actor, run.ds, cfg.rollout_sync_bucket_mb))
+            engine.wake_up(["kv_cache"])
 
     # 7 log: each metric reduced over ranks once
     with timed(times, "log"):
@@ -919,7 +942,7 @@ def checkpoint(run: Run, step: int) -> None:
         "sft_data": {"epoch": run.sft.rows.epoch, "pos": run.sft.rows.pos} if run.sft else None,
         "mlflow_run_id": tracker.run_id, "rollbacks": guards.rollbacks,
         "entropy_reaction": guards.entropy_reaction, "guards": guards.state_dict(), "oom": run.oom.state_dict()},
-        {"engine": run.engine.state_dict()})
+        {"engine": run.engine.state_dict(), "in_flight": run.rollouts.state_dict() if run.rollouts else None})
     if accelerator.is_main_process:   # what the checkpoint holds and how it came about, for whoever finds it
         model_card.write_card(path, dataclasses.asdict(cfg), tracker.history, step=step)
 
@@ -956,6 +979,9 @@ def main(cfg: Config) -> None:
 
             # 8 guards: roll back to the last checkpoint on KL drift or a run of skipped steps
             reason = guards.check(step, metrics, optimizer_steps)
+            if reason and run.rollouts is not None:
+                raise UserError(f"step {step}: {reason}; a rollback is not built for rollout_mode={cfg.rollout_mode} "
+                                "(batches in flight come from the weights it discards): the run stops")
             if reason:
                 state = guards.rollback(step, reason, lambda path, saved: restore(run, path, saved),
                                         *run.trained["actor"][1:], accelerator.is_main_process)
@@ -1001,6 +1027,8 @@ def main(cfg: Config) -> None:
         # inside a different one, and the launcher ends them once this process exits
         if status != "FAILED":
             accelerator.wait_for_everyone()
+        if run.rollouts is not None:
+            run.rollouts.close()
         run.engine.shutdown()   # vLLM's teardown may already destroy the process group
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

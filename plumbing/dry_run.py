@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+from pathlib import Path
 
 from config import Config, critic_checkpointing, default_of, schedule
 from distribution import plugins as distributed
 from distribution.prepare import check_world_size
 from errors import UserError
 from modeling.loading import _load, load_tokenizer
-from plumbing import console, preflight
+from plumbing import console, phase_model, preflight
 from prompts.sets import load_prompts, load_sft
 from rewards.scoring import Scorer
 from rollout.tools.rollouts import TRAJECTORY_COLUMNS, make_tool_rollouts
@@ -94,4 +95,7 @@ def dry_run(cfg: Config) -> bool:
                                                              else f"; warning: {tools.sandbox_notes()[1][0]}"))
     print(f"actor: {plan.actor.params / 1e6:.2f}M parameters ({plan.actor.trainable / 1e6:.2f}M trained), "
           f"vocabulary {plan.actor.vocab}")
+    metrics = Path(cfg.output_dir) / "metrics.jsonl"
+    if metrics.is_file():   # the last run's phase times -> each rollout_mode's step time
+        print("\n".join(phase_model.report(metrics)))
     return preflight.report(plan)

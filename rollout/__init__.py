@@ -20,6 +20,7 @@ class SamplingParams:
     top_k: int = -1               # -1 = off (vLLM's convention)
     max_tokens: int = 16
     ignore_eos: bool = False      # keep sampling past EOS: fixed-length responses for benchmarks
+    seed: int | None = None       # hf: the call's sampling seed (rollout/asynchronous.py draws it); None = from torch's RNG
 
 
 @dataclass

@@ -47,7 +47,8 @@ class HFEngine:
         )
         expanded = [p for p in prompts for _ in range(params.n)]
         keys = (share or Share.of(0, len(prompts), len(prompts))).keys(params.n)   # each row's place in the batch
-        seed = None if params.temperature == 0 else int(torch.randint(2**62, ()))  # the same on every rank of a split
+        seed = None if params.temperature == 0 else params.seed if params.seed is not None else \
+            int(torch.randint(2**62, ()))   # the same on every rank of a split
         responses, logprobs = [], []
         # generate() fills unset values from model.generation_config, which would bring the
         # model's EOS back even with ignore_eos: swap it out for the duration of the call.

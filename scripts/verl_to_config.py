@@ -244,6 +244,7 @@ MAPPING = {
     "trainer.project_name": "mlflow_experiment",
     "trainer.experiment_name": "run_name",
     "trainer.log_val_generations": "log_samples",
+    "async_training.partial_rollout": ("partial_rollout", _one_of(False)),
 }
 
 # verl keys that only switch others on: carried as the keys they enable (verl's default is off).
@@ -304,7 +305,16 @@ HINTS = {
     "ray_kwargs.*": "no Ray",
     "trainer.resume_from_path": "a verl checkpoint cannot be resumed here",
     R + "multi_turn.*": "no multi-turn (tool-calling) rollouts",
-    R + "mode": "rollouts are synchronous, in-process",
+    R + "mode": "verl's sync/async picks how its vLLM server is driven; both train on-policy, as colocated does "
+                "here. Overlapping generation with training (off-policy) is rollout_mode (one_step_off | async)",
+    "async_training.staleness_threshold": "verl's fully async recipe: a fraction of a sync's samples that may come "
+                                          "from older weights, not a count of policy versions: set rollout_mode=async "
+                                          "and max_staleness (versions)",
+    "async_training.trigger_parameter_sync_step": "the weights go to the rollout side after every update here (one "
+                                                  "step per sync)",
+    "async_training.require_batches": "each step trains on one whole batch of train_batch_size prompts",
+    "async_training.*": "verl's fully async recipe's own setting; the asynchronous modes here are rollout_mode, "
+                        "max_staleness and rollout_processes",
     "*.strategy": "the toolkit trains with DeepSpeed ZeRO through Accelerate (accelerate_configs/), not FSDP/Megatron",
     "*megatron.*": "no Megatron parallelism",
     "data.val_batch_size": "each rank validates its whole share of val_files at once",

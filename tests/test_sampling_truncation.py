@@ -244,7 +244,9 @@ def test_bypass_mode_at_top_p_half_measures_the_ratio_against_the_cut_sampler(tm
     weights that do not move rollout/logprob_diff (measured in the update) is -log of the
     probability each cut kept, far from the ~0 that the recomputed run above reports, and the
     update sees a policy change (ppo_kl > 0) that is the truncation's."""
-    records = _run(tmp_path, "--top_p=0.5", "--rollout_is=off", "--rollout_bypass_mode=true")
+    # one micro-batch: actor/ppo_kl is a mean of micro-batch means, rollout/logprob_diff a token mean
+    records = _run(tmp_path, "--top_p=0.5", "--rollout_is=off", "--rollout_bypass_mode=true",
+                   "--ppo_micro_batch_size_per_device=32")
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert r["rollout/logprob_diff"] > 0.05
