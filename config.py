@@ -601,8 +601,8 @@ def validate_rollout_mode(cfg: Config) -> None:
     need(cfg.rollout_delay_s >= 0, f"rollout_delay_s must be >= 0, got {cfg.rollout_delay_s}")
     if mode == "colocated":
         return
-    need(not cfg.partial_rollout, f"partial_rollout=true is not built yet: a weight update waits for the batch being "
-                                  f"generated (set partial_rollout=false)")
+    need(not cfg.partial_rollout, "partial_rollout=true is not built yet: a weight update waits for the batch being "
+                                  "generated (set partial_rollout=false)")
     refused = (("rollout_engine", cfg.rollout_engine != "hf", "the rollout processes run the hf engine (vllm there is "
                 "not built yet): set rollout_engine=hf"),
                ("tools" if cfg.tools else "environment", bool(cfg.tools or cfg.environment), "multi-turn rollouts do not run on the rollout side yet: "

@@ -56,7 +56,7 @@ class Sampler:
         from rollout.hf import HFEngine
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval().requires_grad_(False)
         self.params = dict(self.model.named_parameters())
-        bf16 = lambda: torch.autocast(self.model.device.type, dtype=torch.bfloat16)   # as the actor's
+        bf16 = lambda: torch.autocast(self.model.device.type, dtype=torch.bfloat16)   # noqa: E731  (as the actor's)
         self.engine = HFEngine(self.model, eos, pad, micro_batch, [bf16] if dtype == "bf16" else [])
         self.version = -1
 

@@ -198,7 +198,7 @@ def test_a_run_killed_and_resumed_logs_the_uninterrupted_runs_numbers(tmp_path, 
     saved = sorted((out / "checkpoints").glob("step_*"))
     assert saved, "killed before the first checkpoint"
     resumed = train(tmp_path, "killed", *extra, steps=6, said=f"resuming from {saved[-1]}")
-    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(CLOCK)} for r in rs]
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(CLOCK)} for r in rs]   # noqa: E731
     assert strip(resumed) == strip(reference)
 
 
