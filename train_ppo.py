@@ -260,6 +260,9 @@ def sft_loss(accelerator, actor, batch: dict, autocast) -> torch.Tensor:
 
 
 def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast, ds: bool, *, oom) -> dict:
+    """ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch: each
+    micro-batch's values, verl's clipped value loss, backward. Beside it, the one reaction the critic
+    has: the OOM reaction (the mini-batch redone with smaller micro-batches, its gradients dropped)."""
     stats = Stats()
     sched = schedule(cfg, "critic")
     mini = sched.mini_batch * cfg.rollout_n // ulysses.data_parallel(accelerator)[0]   # per data-parallel rank
