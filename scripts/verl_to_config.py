@@ -304,7 +304,8 @@ HINTS = {
     "*profiler*": "no profiler settings",
     "ray_kwargs.*": "no Ray",
     "trainer.resume_from_path": "a verl checkpoint cannot be resumed here",
-    R + "multi_turn.*": "no multi-turn (tool-calling) rollouts",
+    R + "multi_turn.*": "verl's tool config files and formats do not carry over: set tools (or environment), "
+                        "max_turns and tool_timeout_s here (docs/tools.md)",
     R + "mode": "verl's sync/async picks how its vLLM server is driven; both train on-policy, as colocated does "
                 "here. Overlapping generation with training (off-policy) is rollout_mode (one_step_off | async)",
     "async_training.staleness_threshold": "verl's fully async recipe: a fraction of a sync's samples that may come "
