@@ -188,7 +188,7 @@ class Config:
                                          "policy versions old); the asynchronous modes run the hf engine in "
                                          "rollout_processes processes beside the launch (rollout/asynchronous.py)")
     rollout_processes: int = opt(1, "one_step_off/async: processes that run the rollout engine, each sampling a share of "
-                                    "every batch; 0 = in the training process, one batch after the other (the same "
+                                    "every batch; 0 = in training rank 0, one batch after the other (the same "
                                     "schedule without the overlap: a reference)")
     max_staleness: int = opt(1, "async: how many policy versions a batch's samples may lag the weights they train "
                                 "(0 = on-policy, generated after the previous update)")

@@ -540,7 +540,8 @@ def setup(cfg: Config) -> Run:
     start_engine(run)
     if cfg.rollout_mode != "colocated":   # generation in its own loop; the RNG as colocated leaves it (seeds drawn from it)
         with torch.random.fork_rng(devices=[]):
-            run.rollouts = RolloutSide(cfg, train.ids, run.stream, tokenizer.eos_token_id, tokenizer.pad_token_id, steps)
+            run.rollouts = RolloutSide(cfg, train.ids, run.stream, tokenizer.eos_token_id, tokenizer.pad_token_id, steps,
+                                       accelerator.process_index, accelerator.num_processes)
         run.rollouts.load_state_dict(run.in_flight)
         run.rollouts.send(run.first_step - 1, actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))
     tags = run_tags(world, distributed.zero_stage(accelerator), run.engine.name, HERE) | sandbox_tags
