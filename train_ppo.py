@@ -560,8 +560,9 @@ def start_engine(run: Run) -> None:
     cfg, accelerator, actor, ds = run.cfg, run.accelerator, run.actor, run.ds
     tokenizer, autocast = run.tokenizer, run.autocast
     world, rank = accelerator.num_processes, accelerator.process_index
+    # the asynchronous modes sample on their rollout side: here the hf engine, for validation
     run.engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, [gathered_params(actor, ds), autocast],
-                             world, rank)
+                             world, rank, kind="hf" if cfg.rollout_mode != "colocated" else "")
     if cfg.rollout_engine == "vllm" and world > 1:
         # rollout_fallback_hf: all ranks fall back together, or the vLLM ranks would wait in the
         # weight sync's ZeRO-3 gathers for a rank that never joins them

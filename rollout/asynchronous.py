@@ -45,6 +45,7 @@ import torch
 
 from errors import UserError
 from rollout import RolloutOutput, SamplingParams, Share
+from rollout.vllm import first_seed
 
 POLL_S = 0.5   # how often a blocked side looks whether the other is still alive
 START_TIMEOUT = datetime.timedelta(minutes=10)   # the group's start (and any one transfer) at most
@@ -52,22 +53,47 @@ LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "ACCELERATE_", "OMPI_", "PMI_")
 
 
-class Sampler:
-    """One rollout side's engine: the hf engine on its own copy of the actor, at a policy version."""
+def sampler_spec(cfg, eos, pad: int) -> dict:
+    """What a rollout process needs to build its engine and pace itself (plain values: it is spawned)."""
+    return dict(engine=cfg.rollout_engine, model_path=cfg.model_path, dtype=cfg.dtype, eos=eos, pad=pad,
+                micro_batch=cfg.rollout_micro_batch_size, threads=torch.get_num_threads(), delay_s=cfg.rollout_delay_s,
+                latest=cfg.rollout_mode == "async", max_model_len=cfg.max_prompt_length + cfg.max_response_length,
+                kv_cache_gb=cfg.rollout_kv_cache_gb, gpu_memory_utilization=cfg.rollout_gpu_memory_utilization,
+                enforce_eager=cfg.rollout_enforce_eager, max_num_batched_tokens=cfg.rollout_max_num_batched_tokens,
+                max_num_seqs=cfg.rollout_max_num_seqs)
 
-    def __init__(self, model_path: str, dtype: str, eos, pad: int, micro_batch: int):
+
+class Sampler:
+    """One rollout side's engine at a policy version: vLLM, or the hf engine on its own copy of the
+    actor; on a GPU of its own where there are GPUs (the process sees one)."""
+
+    def __init__(self, spec: dict):
+        self.version = -1
+        if spec["engine"] == "vllm":   # weights reloaded in place; no sleep: training has devices of its own
+            from rollout.vllm import VLLMEngine
+            self.engine = VLLMEngine(spec["model_path"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
+                                     kv_cache_gb=spec["kv_cache_gb"], enable_sleep_mode=False,
+                                     gpu_memory_utilization=spec["gpu_memory_utilization"],
+                                     enforce_eager=spec["enforce_eager"], eos_token_id=spec["eos"],
+                                     max_num_batched_tokens=spec["max_num_batched_tokens"],
+                                     max_num_seqs=spec["max_num_seqs"])
+            return
         from transformers import AutoModelForCausalLM
         from rollout.hf import HFEngine
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval().requires_grad_(False)
+        self.model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+        self.model.to("cuda" if torch.cuda.is_available() else "cpu").eval().requires_grad_(False)
         self.params = dict(self.model.named_parameters())
         bf16 = lambda: torch.autocast(self.model.device.type, dtype=torch.bfloat16)   # noqa: E731  (as the actor's)
-        self.engine = HFEngine(self.model, eos, pad, micro_batch, [bf16] if dtype == "bf16" else [])
-        self.version = -1
+        self.engine = HFEngine(self.model, spec["eos"], spec["pad"], spec["micro_batch"],
+                               [bf16] if spec["dtype"] == "bf16" else [])
 
     def load(self, weights, version: int) -> None:
-        with torch.no_grad():
-            for name, tensor in weights:
-                self.params[name].copy_(tensor)
+        if self.engine.name == "vllm":
+            self.engine.load_weights(weights)
+        else:
+            with torch.no_grad():
+                for name, tensor in weights:
+                    self.params[name].copy_(tensor)
         self.version = version
 
     def generate(self, request: dict, rows: list[int]) -> RolloutOutput:
@@ -113,7 +139,7 @@ def serve(rank: int, count: int, port: int, spec: dict, ctrl, results, parent: i
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
     group = stateless_init_torch_distributed_process_group("127.0.0.1", port, rank, count + 1, backend="gloo",
                                                            timeout=START_TIMEOUT)
-    sampler = Sampler(spec["model_path"], spec["dtype"], spec["eos"], spec["pad"], spec["micro_batch"])
+    sampler = Sampler(spec)
     pending, waited = deque(), 0.0   # requests not yet generated; seconds idle since the last batch
     while True:
         idle, start = not pending, time.perf_counter()
@@ -166,6 +192,28 @@ def _without_launcher_env():
         os.environ.update(saved)
 
 
+@contextmanager
+def _device_of(k: int, local: int):
+    """Rollout process k spawned to see one GPU of its own, the k-th after the `local` ones the
+    launch's processes on this node use (no-op without GPUs)."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if local + k >= len(devices):
+        raise UserError(f"rollout_processes: rollout process {k} needs a GPU beside the launch's {local} on this node, "
+                        f"and this node has {len(devices)}: lower rollout_processes or num_processes")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices[local + k]
+    try:
+        yield
+    finally:
+        if visible is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
 class RolloutSide:
     """A training rank's view of the rollout side: weights out, its share of the step's batch in.
     send(version, weights) after each update; take(step) -> (prompt indices, rollouts, metrics).
@@ -179,14 +227,14 @@ class RolloutSide:
         self.count, self.version, self.requested = cfg.rollout_processes, None, 0
         self.rank, self.world, self.lead, self.procs = rank, world, rank == 0, []
         self.per_rank = cfg.train_batch_size // world
+        self.vllm_seed = first_seed(cfg.seed + rank)   # vLLM: the counter of this rank's colocated engine
         self.asked: dict[int, list] = {}      # step -> its prompt indices, for the batches not yet taken
         self.parts: dict[int, dict] = {}      # step -> {part: result} (the lead's)
         if not self.lead:
             return
-        spec = dict(model_path=cfg.model_path, dtype=cfg.dtype, eos=eos, pad=pad, micro_batch=cfg.rollout_micro_batch_size,
-                    threads=torch.get_num_threads(), delay_s=cfg.rollout_delay_s, latest=cfg.rollout_mode == "async")
+        spec = sampler_spec(cfg, eos, pad)
         if self.count == 0:   # the reference: the same schedule in this process, each message handled when sent
-            self.local = Sampler(cfg.model_path, cfg.dtype, eos, pad, cfg.rollout_micro_batch_size)
+            self.local = Sampler(spec)
             return
         ctx = multiprocessing.get_context("spawn")
         # the group's store is served from a socket bound here: under torchelastic the usual rendezvous
@@ -197,9 +245,11 @@ class RolloutSide:
         self.procs = [ctx.Process(target=serve, args=(rank + 1, self.count, port, spec, self.ctrl[rank], self.results,
                                                       os.getpid()), daemon=True, name=f"rollout-{rank}")
                       for rank in range(self.count)]
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))   # the launch's processes on this node
         with _without_launcher_env():
-            for proc in self.procs:
-                proc.start()
+            for k, proc in enumerate(self.procs):
+                with _device_of(k, local):
+                    proc.start()
         for rank, proc in enumerate(self.procs):
             print(f"rollout process {rank} started (pid {proc.pid})", flush=True)
         self.group = self._start_group(port, listener)
@@ -260,7 +310,7 @@ class RolloutSide:
         while self.requested < min(self.version + 1 + self.ahead, self.total_steps):
             step = self.requested = max(self.requested + 1, self.version + 1)
             idx = self.asked[step] = self.stream.next()
-            seeds = self._gathered(None if params.temperature == 0 else int(torch.randint(2**62, ())))
+            seeds = self._gathered(self._seed(params))
             if not self.lead:
                 continue
             request = {"step": step, "prompts": [self.prompt_ids[i] for i in idx], "params": params, "seeds": seeds,
@@ -272,6 +322,14 @@ class RolloutSide:
                                         time.perf_counter() - start, 0.0]}
             else:
                 self._put(("request", request))
+
+    def _seed(self, params) -> int | None:
+        """This rank's seed for its share of the next batch, as its colocated engine would take it: hf
+        draws one from torch's RNG (none for greedy); vLLM's counter moves by the share's samples."""
+        if self.cfg.rollout_engine == "vllm":
+            seed, self.vllm_seed = self.vllm_seed, self.vllm_seed + self.per_rank * params.n
+            return None if params.temperature == 0 else seed
+        return None if params.temperature == 0 else int(torch.randint(2**62, ()))
 
     def _gathered(self, seed: int | None) -> list:
         """Every training rank's seed, in rank order."""
@@ -334,7 +392,7 @@ class RolloutSide:
         for step in self.asked:
             if self.lead:
                 self._collect(step)
-        return {"requested": self.requested,
+        return {"requested": self.requested, "vllm_seed": self.vllm_seed,
                 "batches": {str(step): {"idx": idx, "parts": list(self.parts.get(step, {}).values())}
                             for step, idx in self.asked.items()}}
 
@@ -343,6 +401,7 @@ class RolloutSide:
             self.asked[int(step)] = batch["idx"]
             self.parts[int(step)] = {part[1]: part for part in batch["parts"]}
         self.requested = (state or {}).get("requested", self.requested)
+        self.vllm_seed = (state or {}).get("vllm_seed", self.vllm_seed)
 
     def _watching(self, wait):
         """wait(), in a run whose rollout processes live; one that ended stops the run with one line.

@@ -93,6 +93,19 @@ def test_staleness_never_exceeds_max_staleness(tmp_path, slow_side):
         assert all(math.isfinite(v) for v in r.values())
 
 
+@pytest.mark.slow
+def test_vllm_on_the_rollout_side_samples_what_the_colocated_vllm_engine_samples(tmp_path):
+    """A vLLM engine in the rollout process, its weights reloaded in place from the buckets, and its
+    per-request seeds the ones the trainer's colocated vLLM engine would have used (the counter of
+    that engine, kept by the trainer): with max_staleness 0 the run logs the colocated vLLM run's
+    numbers, step by step."""
+    extra = ("--rollout_engine=vllm", "--rollout_kv_cache_gb=0.25", "--rollout_sync_bucket_mb=0.5")
+    colocated = train(tmp_path, "colocated", *extra)
+    asynchronous = train(tmp_path, "async", *extra, "--rollout_mode=async", "--max_staleness=0")
+    assert_same_run(colocated, asynchronous)
+    assert abs(colocated[-1]["kl/mean"]) > 1e-4   # the policy moved: the later batches test the weight sync
+
+
 def _pids(stdout_path: Path) -> list[int]:
     text = stdout_path.read_text() if stdout_path.exists() else ""
     return [int(line.split("(pid ")[1].rstrip(")")) for line in text.splitlines() if line.startswith("rollout process")]
@@ -151,7 +164,8 @@ REFUSED = [
     (["--rollout_mode=async", "--max_staleness=0", "--lora_rank=4"], "lora_rank=4"),
     (["--rollout_mode=async", "--max_staleness=0", "--ulysses_sequence_parallel_size=2"],
      "ulysses_sequence_parallel_size=2"),
-    (["--rollout_mode=async", "--max_staleness=0", "--rollout_engine=vllm"], "rollout_engine='vllm'"),
+    (["--rollout_mode=async", "--max_staleness=0", "--rollout_tensor_model_parallel_size=2"],
+     "rollout_tensor_model_parallel_size=2"),
     (["--rollout_mode=async", "--max_staleness=0", "--kl_rollback_threshold=0.5"], "kl_rollback_threshold=0.5"),
     (["--rollout_mode=sometimes"], "rollout_mode must be one of"),
     (["--rollout_processes=-1"], "rollout_processes must be >= 0"),
