@@ -185,10 +185,10 @@ class Config:
     rollout_mode: str = opt("colocated", "colocated (generate, then train, every step) | one_step_off (step t+1's "
                                          "batch is generated with the weights after step t-1 while step t trains) | "
                                          "async (the rollout side runs ahead, each batch at most max_staleness "
-                                         "policy versions old); the asynchronous modes run the hf engine in "
+                                         "policy versions old); the asynchronous modes run rollout_engine in "
                                          "rollout_processes processes beside the launch (rollout/asynchronous.py)")
     rollout_processes: int = opt(1, "one_step_off/async: processes that run the rollout engine, each sampling a share of "
-                                    "every batch; 0 = in the training process, one batch after the other (the same "
+                                    "every batch; 0 = in training rank 0, one batch after the other (the same "
                                     "schedule without the overlap: a reference)")
     max_staleness: int = opt(1, "async: how many policy versions a batch's samples may lag the weights they train "
                                 "(0 = on-policy, generated after the previous update)")
@@ -603,8 +603,8 @@ def validate_rollout_mode(cfg: Config) -> None:
         return
     need(not cfg.partial_rollout, "partial_rollout=true is not built yet: a weight update waits for the batch being "
                                   "generated (set partial_rollout=false)")
-    refused = (("rollout_engine", cfg.rollout_engine != "hf", "the rollout processes run the hf engine (vllm there is "
-                "not built yet): set rollout_engine=hf"),
+    refused = (("rollout_tensor_model_parallel_size", cfg.rollout_tensor_model_parallel_size > 1, "a rollout process "
+                "runs one engine on one device: set 1"),
                ("tools" if cfg.tools else "environment", bool(cfg.tools or cfg.environment), "multi-turn rollouts do not run on the rollout side yet: "
                 "set rollout_mode=colocated"),
                ("filter_groups_enable", cfg.filter_groups_enable, "DAPO's dynamic sampling does not run on the rollout "

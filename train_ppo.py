@@ -540,7 +540,8 @@ def setup(cfg: Config) -> Run:
     start_engine(run)
     if cfg.rollout_mode != "colocated":   # generation in its own loop; the RNG as colocated leaves it (seeds drawn from it)
         with torch.random.fork_rng(devices=[]):
-            run.rollouts = RolloutSide(cfg, train.ids, run.stream, tokenizer.eos_token_id, tokenizer.pad_token_id, steps)
+            run.rollouts = RolloutSide(cfg, train.ids, run.stream, tokenizer.eos_token_id, tokenizer.pad_token_id, steps,
+                                       accelerator.process_index, accelerator.num_processes)
         run.rollouts.load_state_dict(run.in_flight)
         run.rollouts.send(run.first_step - 1, actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))
     tags = run_tags(world, distributed.zero_stage(accelerator), run.engine.name, HERE) | sandbox_tags
@@ -559,8 +560,9 @@ def start_engine(run: Run) -> None:
     cfg, accelerator, actor, ds = run.cfg, run.accelerator, run.actor, run.ds
     tokenizer, autocast = run.tokenizer, run.autocast
     world, rank = accelerator.num_processes, accelerator.process_index
+    # the asynchronous modes sample on their rollout side: here the hf engine, for validation
     run.engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, [gathered_params(actor, ds), autocast],
-                             world, rank)
+                             world, rank, kind="hf" if cfg.rollout_mode != "colocated" else "")
     if cfg.rollout_engine == "vllm" and world > 1:
         # rollout_fallback_hf: all ranks fall back together, or the vLLM ranks would wait in the
         # weight sync's ZeRO-3 gathers for a rank that never joins them

@@ -31,10 +31,6 @@ def make_accelerator(cfg: Config):
 def check_world_size(cfg: Config, world: int) -> None:
     """Batch sizes split over the data-parallel ranks: world / ulysses_sequence_parallel_size (the
     ranks of one sequence-parallel group hold the same sequences)."""
-    if cfg.rollout_mode != "colocated" and world > 1:
-        raise UserError(f"rollout_mode={cfg.rollout_mode} runs with one training process for now (rank 0 talking to the "
-                        f"rollout side for several is not built): launch {world} processes with rollout_mode=colocated, "
-                        f"or one")
     sp = cfg.ulysses_sequence_parallel_size
     if world % sp:
         raise UserError(f"ulysses_sequence_parallel_size={sp} does not divide the {world} processes (world = "

@@ -20,7 +20,8 @@ class SamplingParams:
     top_k: int = -1               # -1 = off (vLLM's convention)
     max_tokens: int = 16
     ignore_eos: bool = False      # keep sampling past EOS: fixed-length responses for benchmarks
-    seed: int | None = None       # hf: the call's sampling seed (rollout/asynchronous.py draws it); None = from torch's RNG
+    seed: int | None = None       # the call's sampling seed (rollout/asynchronous.py gives it); None = the engine's own:
+                                  # hf from torch's RNG, vllm its counter
 
 
 @dataclass

@@ -110,9 +110,7 @@ class VLLMEngine:
         if eos_token_id is None:
             eos_token_id = self._llm.get_tokenizer().eos_token_id
         self.eos_ids = set(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id])
-        # Per-sequence seeds: torch's CPU generator keeps only 32 bits of a seed, so ranks seeded
-        # seed+rank get disjoint ranges of 2**24 sequences each inside 32 bits.
-        self._next_seed = seed * 2**24 % 2**32
+        self._next_seed = first_seed(seed)
         self._sleeping: set[str] = set()
         self._layers = self._llm.collective_rpc(_describe_model)[0]
         self._pending: dict[str, dict[str, torch.Tensor]] = {}   # fused layers waiting for their other parts
@@ -130,8 +128,10 @@ class VLLMEngine:
         share = share or Share.of(0, len(prompts), len(prompts))
         expanded = [p for p in prompts for _ in range(params.n)]   # prompt-major, one request each
         greedy = params.temperature == 0
-        first_seed, keys = self._next_seed, share.keys(params.n)
-        self._next_seed += share.total * params.n
+        keys = share.keys(params.n)
+        first_seed = self._next_seed if params.seed is None else params.seed   # a seed given: the counter stays
+        if params.seed is None:
+            self._next_seed += share.total * params.n
         if not expanded:   # an empty share of a split batch
             return RolloutOutput(responses=[], logprobs=[])
         requests = [_tokens_prompt(p) for p in expanded]
@@ -253,6 +253,12 @@ class VLLMEngine:
             missing = [f"{layer} (has {', '.join(sorted(parts))})" for layer, parts in self._pending.items()]
             raise RuntimeError("load_weights() left fused layers incomplete, their other parts were never "
                                f"sent: {'; '.join(missing)}")
+
+
+def first_seed(seed: int) -> int:
+    """An engine's first per-request seed: torch's CPU generator keeps only 32 bits of a seed, so
+    engines seeded seed+rank get disjoint ranges of 2**24 requests each inside 32 bits."""
+    return seed * 2**24 % 2**32
 
 
 def _tensor_parallel_group(size: int):
