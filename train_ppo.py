@@ -549,6 +549,7 @@ def setup(cfg: Config) -> Run:
                           experiment=cfg.mlflow_experiment, run_name=cfg.run_name, params=dataclasses.asdict(cfg),
                           tags=tags, system_metrics=cfg.mlflow_system_metrics, resumed=resumed,
                           log_model=cfg.mlflow_log_model, registered_model_name=cfg.mlflow_registered_model_name,
+                          close_timeout_s=cfg.mlflow_close_timeout_s,
                           datasets={"training": _split_files(cfg.train_files), "validation": _split_files(cfg.val_files),
                                     "sft": _split_files(cfg.sft_files)})
     return run

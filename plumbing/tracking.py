@@ -23,17 +23,20 @@ CURVES = ("reward/score_mean", "val/accuracy", "kl/mean", "actor/entropy", "crit
 class Tracker:
     def __init__(self, out_dir: Path, enabled: bool, *, uri: str, experiment: str, run_name: str,
                  params: dict, tags: dict, datasets: dict[str, list[str]], system_metrics: bool = False,
-                 resumed: dict | None = None, log_model: bool = True, registered_model_name: str = ""):
+                 resumed: dict | None = None, log_model: bool = True, registered_model_name: str = "",
+                 close_timeout_s: float = 60.0):
         """uri: '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db. params: the whole config.
         datasets: context (training, validation, ...) -> the files, logged as MLflow dataset inputs.
         system_metrics: MLflow's own CPU/memory/GPU sampling of this process's machine.
         log_model: the final model logged to the run at the end (else it is only in final/).
         registered_model_name: that model also registered as a new version of this name in
         MLflow's model registry, described by its model card ('' = not registered).
+        close_timeout_s: how long finish() waits for an unreachable server to take unsent steps.
         resumed: a checkpoint's trainer state. Its steps stay in metrics.jsonl (later ones are
         dropped, to be written again) and its MLflow run is continued when the store has it."""
         self.enabled, self.out_dir, self.run_id, self.uri = enabled, out_dir, None, ""
         self.log_model, self.registered_model_name, self.model_uri = log_model, registered_model_name, ""
+        self.close_timeout_s = close_timeout_s
         self.history: list[dict] = []
         self._changes = self._drawn = 0   # history's changes so far, and as of curves.png's last drawing
         if not enabled:
@@ -129,7 +132,7 @@ class Tracker:
         if final_dir is not None and self.log_model:
             if self._try("the final model", lambda: self._log_model(final_dir)) and self.registered_model_name:
                 self._try(f"the model version of {self.registered_model_name!r}", lambda: self._register(final_dir))
-        unsent = self.sender.close(timeout=60)
+        unsent = self.sender.close(timeout=self.close_timeout_s)
         if unsent:
             print(f"warning: MLflow never took the metrics of steps {unsent} (the tracking server was unreachable); "
                   f"they are all in {self.out_dir / 'metrics.jsonl'}", file=sys.stderr, flush=True)

@@ -379,10 +379,12 @@ RUNAWAY = [("Hang.", [call_text("python", {"code": "import time\ntime.sleep(3600
 
 @pytest.fixture(scope="module")
 def runaway_dir(tmp_path_factory):
-    """A tiny Qwen2 that memorised one python call per prompt: code that sleeps forever, prints without
-    end, or allocates without bound (what comes after the tool's answer it never learnt)."""
+    """A tiny Qwen2 that holds one python call per prompt: code that sleeps forever, prints without
+    end, or allocates without bound (what comes after the tool's answer it never learnt). Constructed,
+    not trained (train_steps=0): the same model on every CPU in a second, where Adam's 600 steps took
+    minutes and did not get there on some CPUs; the runs below keep its weights still."""
     tokenizer = qwen_style_tokenizer()
-    _, model, _ = memorise(tokenizer, ToolSet.from_specs([PYTHON]), RUNAWAY)
+    _, model, _ = memorise(tokenizer, ToolSet.from_specs([PYTHON]), RUNAWAY, train_steps=0)
     path = tmp_path_factory.mktemp("runaway_model")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -411,9 +413,9 @@ def test_runaway_tool_code_is_stopped_and_the_run_goes_on(runaway_dir, tmp_path)
     an error, counted in tools/error_rate, and the run finishes its steps."""
     model_path, data = runaway_dir
     env = dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path), PYTHONUNBUFFERED="1")
-    # weights that do not move: on a CPU where memorise() falls back to its constructed model (an LM head
-    # solved by least squares, far from any optimiser's), one Adam step of 1e-5 on every weight already
-    # loses the memorised calls; what is tested here is the tool's limits, not learning
+    # weights that do not move: the constructed model's LM head is solved by least squares, far from any
+    # optimiser's, and one Adam step of 1e-5 on every weight already loses the calls; what is tested here
+    # is the tool's limits, not learning
     proc = forkserver.run([sys.executable, str(SCRIPT), *runaway_args(model_path, data, tmp_path / "out"),
                            "--total_training_steps=2", "--test_freq=2", "--temperature=0.1", "--actor_lr=1e-12"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
@@ -452,7 +454,7 @@ def test_sigkill_then_resume_with_tools_matches_the_uninterrupted_run(runaway_di
     data = tmp_path / "limited.jsonl"
     pd.DataFrame({"prompt": [[{"role": "user", "content": q}] for q, _ in RUNAWAY if q != "Hang."]}).to_json(
         data, orient="records", lines=True)
-    extra = ["--total_training_steps=3", "--save_freq=1", "--save_total_limit=2", "--test_freq=-1",
+    extra = ["--total_training_steps=2", "--save_freq=1", "--save_total_limit=2", "--test_freq=-1",
              "--temperature=0.7", "--tool_timeout_s=30", "--train_batch_size=2", "--ppo_mini_batch_size=2",
              "--ppo_micro_batch_size_per_device=2"]
 
@@ -469,8 +471,9 @@ def test_sigkill_then_resume_with_tools_matches_the_uninterrupted_run(runaway_di
     out = tmp_path / "out"
     proc = forkserver.Popen(command(out), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
-    while (not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 1) \
-            and proc.poll() is None and time.time() < deadline:
+    # step 1's checkpoint in place (it is written after step 1's metrics line: on a loaded machine a kill
+    # right after that line can come before it, and the run then starts over instead of resuming)
+    while not (out / "checkpoints" / "step_1").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     time.sleep(random.Random(os.getpid()).uniform(0, 1.5))   # somewhere in step 2: rollout, tools or update
     proc.send_signal(signal.SIGKILL)
@@ -480,6 +483,6 @@ def test_sigkill_then_resume_with_tools_matches_the_uninterrupted_run(runaway_di
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     got, want = comparable(out), comparable(tmp_path / "ref")
-    assert [r["step"] for r in got] == [1, 2, 3]
+    assert [r["step"] for r in got] == [1, 2]
     assert any(r["tools/error_rate"] > 0 for r in want)
     assert got == want

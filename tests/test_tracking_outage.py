@@ -17,9 +17,11 @@ from mlflow_store import sqlite_uri
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow   # a real MLflow server (one for the module, restarted by the outage test)
-# 4 steps: validation and step 1 reach the server, steps 2-4 (at least 3 and 4) run while it is down
+# 4 steps: validation and step 1 reach the server, steps 2-4 (at least 3 and 4) run while it is down;
+# the run waits at its end for the server as long as the test waits for the run (a loaded machine may
+# take minutes to start the server again)
 ARGS = ["--train_batch_size=16", "--rollout_n=2", "--ppo_mini_batch_size=8", "--ppo_micro_batch_size_per_device=16",
-        "--total_training_steps=4", "--test_freq=-1"]
+        "--total_training_steps=4", "--test_freq=-1", "--mlflow_close_timeout_s=300"]
 
 
 def free_port():
@@ -98,7 +100,7 @@ def test_training_survives_a_tracking_outage_and_mlflow_catches_up(tmp_path, ser
         wait_for(lambda: lines(metrics) >= 5, train)        # every step ran with the server down
         assert lines(metrics) == 5, "training stalled or died while the tracking server was down"
         server.start()
-        stdout, stderr = train.communicate(timeout=300)
+        stdout, stderr = train.communicate(timeout=600)
         assert train.returncode == 0, stderr[-3000:]
         assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(5))
 
