@@ -33,9 +33,10 @@ def dry_run(cfg: Config) -> bool:
     tokenizer = load_tokenizer(cfg.model_path, AutoTokenizer)
     tools = make_tool_rollouts(cfg, tokenizer)   # multi-turn: the tools load, the chat template passes the check
     # a trajectory provides what a multi-turn reward takes beyond the data (messages, tool_calls, ...)
-    columns = Scorer(cfg, tokenizer, None).dataset_columns(TRAJECTORY_COLUMNS if tools else ())
+    scorer = Scorer(cfg, tokenizer, None)   # the reward function, or the judge's template and parser, read
+    columns = scorer.dataset_columns(TRAJECTORY_COLUMNS if tools else ())
     read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
-                                      cfg.prompt_truncation, columns, cfg.reward_fn, keep_rows=tools is not None,
+                                      cfg.prompt_truncation, columns, scorer.source, keep_rows=tools is not None,
                                       template_kwargs=cfg.chat_template_kwargs)
     longest_with_tools = 0
 
