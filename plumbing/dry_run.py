@@ -80,7 +80,11 @@ def dry_run(cfg: Config) -> bool:
         engine=cfg.rollout_engine,
         gpu_memory_utilization=cfg.rollout_gpu_memory_utilization, kv_cache_gb=cfg.rollout_kv_cache_gb,
         gpu_bytes=gpu, host_bytes=host, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-        baseline_bytes=baseline)
+        baseline_bytes=baseline,
+        judge=shape("reward_judge_path", cfg.reward_judge_path, "causal") if cfg.reward_judge_path else None,
+        judge_engine=cfg.reward_judge_engine, judge_gpu_memory_utilization=cfg.reward_judge_gpu_memory_utilization,
+        judge_kv_cache_gb=cfg.reward_judge_kv_cache_gb,
+        judge_seq_len=cfg.reward_judge_prompt_length + cfg.reward_judge_max_tokens)
     if rank != 0:
         return True
     changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)

@@ -187,9 +187,11 @@ def start_engine(cfg: Config, tokenizer, world: int, rank: int, device=None):
                               kv_cache_gb=cfg.reward_judge_kv_cache_gb,
                               gpu_memory_utilization=cfg.reward_judge_gpu_memory_utilization,
                               enable_sleep_mode=True, distributed=world > 1, eos_token_id=tokenizer.eos_token_id)
-        except RuntimeError as e:
-            raise UserError(f"reward_judge_engine=vllm: {first_line(e)} (see reward_judge_kv_cache_gb, "
-                            "reward_judge_gpu_memory_utilization, or set reward_judge_engine=hf)") from None
+        except RuntimeError as e:   # vLLM's reason is on the lines after its error's type
+            why = " ".join(line.strip() for line in str(e).splitlines()[:2])
+            raise UserError(f"reward_judge_engine=vllm: {why} (what to change: reward_judge_prompt_length + "
+                            "reward_judge_max_tokens is its max_model_len; reward_judge_kv_cache_gb (CPU) or "
+                            "reward_judge_gpu_memory_utilization (GPU); or reward_judge_engine=hf)") from None
     from transformers import AutoModelForCausalLM
 
     from modeling.loading import _load
