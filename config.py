@@ -42,6 +42,9 @@ class Config:
     reward_fn: str = opt("rewards.arithmetic:compute_score", "'module:function' called as fn(prompts, responses) -> list of floats")
     reward_model_engine: str = opt("trained", "where reward_model_path runs: trained (a frozen DeepSpeed engine beside "
                                               "the trained models) | vllm (a vLLM pooling engine of its own)")
+    reward_model_gpu_memory_utilization: float = opt(0.2, "reward_model_engine=vllm on GPU: its engine's share of GPU "
+                                                          "memory (beside rollout_gpu_memory_utilization)")
+    reward_model_kv_cache_gb: float = opt(0.25, "reward_model_engine=vllm on CPU: its engine's KV cache in GiB")
     # an LLM judge (generative reward model): rewards/judge.py
     reward_judge_path: str = opt("", "LLM judge: a causal LM that reads each sample (reward_judge_template) and writes "
                                      "a verdict that reward_judge_parser turns into the score; replaces reward_fn")
@@ -612,6 +615,11 @@ def validate_judge(cfg: Config) -> None:
 
     need(cfg.reward_model_engine in ("trained", "vllm"),
          f"reward_model_engine must be trained or vllm, got {cfg.reward_model_engine!r}")
+    need(cfg.reward_model_kv_cache_gb > 0, f"reward_model_kv_cache_gb must be > 0, got {cfg.reward_model_kv_cache_gb}")
+    need(0 < cfg.reward_model_gpu_memory_utilization <= 1, "reward_model_gpu_memory_utilization must be in (0, 1], "
+                                                           f"got {cfg.reward_model_gpu_memory_utilization}")
+    need(cfg.reward_model_engine == "trained" or cfg.reward_model_path,
+         f"reward_model_engine={cfg.reward_model_engine} serves reward_model_path, which is not set")
     if not cfg.reward_judge_path:
         return
     default_fn = default_of(next(f for f in dataclasses.fields(Config) if f.name == "reward_fn"))

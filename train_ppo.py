@@ -543,8 +543,7 @@ def setup(cfg: Config) -> Run:
     # kinds every rank logs perf/mfu or none does: the step's metrics are reduced as one tensor
     peak = torch.tensor([flops.peak(accelerator.device, cfg.dtype == "bf16", cfg.peak_tflops)], device=accelerator.device)
     run.peak_flops = float(accelerator.gather(peak).min())
-    if scorer.judge is not None:   # the LLM judge's own engine, asleep until it scores
-        scorer.judge.start(world, accelerator.process_index, accelerator.device)
+    scorer.start(world, accelerator.process_index, accelerator.device)   # a judge's or served reward model's engine
     start_engine(run)
     if cfg.rollout_mode != "colocated":   # generation in its own loop; the RNG as colocated leaves it (seeds drawn from it)
         with torch.random.fork_rng(devices=[]):
@@ -1042,8 +1041,7 @@ def main(cfg: Config) -> None:
             accelerator.wait_for_everyone()
         if run.rollouts is not None:
             run.rollouts.close()
-        if run.scorer.judge is not None:
-            run.scorer.judge.shutdown()
+        run.scorer.shutdown()
         run.engine.shutdown()   # vLLM's teardown may already destroy the process group
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

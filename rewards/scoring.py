@@ -106,7 +106,7 @@ class Scorer:
 
     def __init__(self, cfg: Config, tokenizer, reward_model):
         self.cfg, self.tokenizer, self.reward_model = cfg, tokenizer, reward_model
-        self.judge = None
+        self.judge = self.served = None   # served: the reward model on a vLLM pooling engine
         if cfg.reward_judge_path:   # its template and parser are read now; setup starts its engine
             from rewards.judge import Judge
             self.judge = Judge(cfg)
@@ -119,6 +119,30 @@ class Scorer:
         self.unreadable: list[bool] = []             # which of them scored the fallback
         self.judge_errors = 0                        # unreadable verdicts since take_judge_errors()
 
+    def start(self, world: int, rank: int, device=None) -> None:
+        """The engine the reward runs on, if it has one of its own: the judge's, or the served
+        reward model's (reward_model_engine=vllm); asleep until it scores."""
+        if self.judge is not None:
+            self.judge.start(world, rank, device)
+        if self.cfg.reward_model_path and self.cfg.reward_model_engine == "vllm":
+            from rollout.vllm import VLLMClassifier
+            cfg = self.cfg
+            try:
+                self.served = VLLMClassifier(cfg.reward_model_path, dtype=cfg.dtype,
+                                             max_model_len=cfg.max_prompt_length + cfg.max_response_length,
+                                             gpu_memory_utilization=cfg.reward_model_gpu_memory_utilization,
+                                             kv_cache_gb=cfg.reward_model_kv_cache_gb, distributed=world > 1)
+            except RuntimeError as e:
+                why = " ".join(line.strip() for line in str(e).splitlines()[:2])
+                raise UserError(f"reward_model_engine=vllm: {why} (reward_model_kv_cache_gb (CPU), "
+                                "reward_model_gpu_memory_utilization (GPU), or reward_model_engine=trained)") from None
+            self.served.sleep()
+
+    def shutdown(self) -> None:
+        for engine in (self.judge, self.served):
+            if engine is not None:
+                engine.shutdown()
+
     def take_judge_errors(self) -> int:
         """The unreadable verdicts counted since the last call (reward/judge_parse_errors)."""
         errors, self.judge_errors = self.judge_errors, 0
@@ -129,7 +153,13 @@ class Scorer:
         """trajectory (multi-turn): messages, tool_calls, tool_errors, env_reward per sample; the
         function gets those it names as parameters, and the environment's reward is added."""
         trajectory = trajectory or {}
-        if self.reward_model is not None:
+        if self.served is not None:   # every real token of each sequence, unpadded: vLLM reads the last
+            real = batch["attention_mask"].bool().cpu()
+            sequences = [ids[keep].tolist() for ids, keep in zip(batch["input_ids"].cpu(), real)]
+            self.served.wake_up()
+            scores = torch.tensor(self.served.score(sequences), dtype=torch.float32)
+            self.served.sleep()
+        elif self.reward_model is not None:
             scores = forward_in_micro_batches(lambda mb: reward_model_scores(self.reward_model, mb), batch, micro)
         elif self.judge is not None:
             texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
