@@ -9,7 +9,6 @@ same on every CPU, so the verdicts below are known without running it.
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
