@@ -211,8 +211,9 @@ judge.shutdown()
 def test_two_processes_each_score_their_own_samples(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(root=str(ROOT), judge=str(JUDGE), template=str(TEMPLATE)))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(script)]
+    # the launch train_ppo.py gets under ZeRO-3 with 2 processes (the worker trains nothing)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "zero3.yaml"), "--main_process_port", str(free_port()), str(script)]
     proc = forkserver.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
