@@ -84,7 +84,10 @@ def dry_run(cfg: Config) -> bool:
         judge=shape("reward_judge_path", cfg.reward_judge_path, "causal") if cfg.reward_judge_path else None,
         judge_engine=cfg.reward_judge_engine, judge_gpu_memory_utilization=cfg.reward_judge_gpu_memory_utilization,
         judge_kv_cache_gb=cfg.reward_judge_kv_cache_gb,
-        judge_seq_len=cfg.reward_judge_prompt_length + cfg.reward_judge_max_tokens)
+        judge_seq_len=cfg.reward_judge_prompt_length + cfg.reward_judge_max_tokens,
+        served_reward=cfg.reward_model_engine == "vllm",
+        served_gpu_memory_utilization=cfg.reward_model_gpu_memory_utilization,
+        served_kv_cache_gb=cfg.reward_model_kv_cache_gb)
     if rank != 0:
         return True
     changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)

@@ -146,6 +146,11 @@ def test_dry_run_counts_the_judge(capsys):
         assert row in out, out
     dry_run(dataclasses.replace(Config(), val_files=""))
     assert "judge" not in capsys.readouterr().out
+    # a reward model on vLLM: its engine's weights and KV cache, not a frozen DeepSpeed copy
+    dry_run(dataclasses.replace(Config(), val_files="", reward_model_path=str(ROOT / "examples" / "demo_model"),
+                                reward_model_engine="vllm"))
+    out = capsys.readouterr().out
+    assert "served reward model: vLLM weights + reward_model_kv_cache_gb" in out and "reward model weights" not in out
 
 
 # ----------------------------------------------------------------------------------------------
