@@ -16,6 +16,7 @@ call, on every rank (a rank with no samples calls it with none).
 """
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from pathlib import Path
@@ -104,7 +105,6 @@ class Judge:
         self.cfg = cfg
         self.template, self.columns = load_template(cfg.reward_judge_template)
         self.parser = load_function(cfg.reward_judge_parser, "reward_judge_parser")
-        import inspect
         try:
             takes_range = "judge_range" in inspect.signature(self.parser).parameters
         except (TypeError, ValueError):
