@@ -168,10 +168,11 @@ def test_recipe_learns_what_the_vllm_judge_prefers(tmp_path):
     out = tmp_path / "out"
     proc = forkserver.run(
         [sys.executable, str(ROOT / "train_ppo.py"), "--config", str(ROOT / "configs" / "demo_judge.yaml"),
+         f"--reward_judge_path={JUDGE}", f"--reward_judge_template={TEMPLATE}",   # cwd: MLflow's artifacts go there
          "--reward_judge_engine=vllm", "--reward_judge_kv_cache_gb=0.1", "--train_batch_size=16",
          "--ppo_mini_batch_size=8", "--total_training_steps=15", "--test_freq=15", "--mlflow_log_model=false",
          f"--output_dir={out}"],
-        cwd=ROOT, env=dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path)), capture_output=True, text=True,
+        cwd=tmp_path, env=dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp_path)), capture_output=True, text=True,
         timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     steps = records(out)
