@@ -40,6 +40,32 @@ class Config:
     reward_model_path: str = opt("", "reward model (sequence classifier with 1 label, or a base model saved with "
                                      "its score head); when set, replaces reward_fn")
     reward_fn: str = opt("rewards.arithmetic:compute_score", "'module:function' called as fn(prompts, responses) -> list of floats")
+    reward_model_engine: str = opt("trained", "where reward_model_path runs: trained (a frozen DeepSpeed engine beside "
+                                              "the trained models) | vllm (a vLLM pooling engine of its own)")
+    reward_model_gpu_memory_utilization: float = opt(0.2, "reward_model_engine=vllm on GPU: its engine's share of GPU "
+                                                          "memory (beside rollout_gpu_memory_utilization)")
+    reward_model_kv_cache_gb: float = opt(0.25, "reward_model_engine=vllm on CPU: its engine's KV cache in GiB")
+    # an LLM judge (generative reward model): rewards/judge.py
+    reward_judge_path: str = opt("", "LLM judge: a causal LM that reads each sample (reward_judge_template) and writes "
+                                     "a verdict that reward_judge_parser turns into the score; replaces reward_fn")
+    reward_judge_template: str = opt("", "LLM judge: a Jinja file rendered with prompt, response and any dataset "
+                                         "column, sent as the user's message through the judge's chat template")
+    reward_judge_parser: str = opt("rewards.judge:score_in_range",
+                                   "LLM judge: 'module:function' called as fn(verdict, row) -> score or None "
+                                   "(unreadable); built in: rewards.judge:score_in_range, rewards.judge:prefer_a")
+    reward_judge_range: str = opt("0,10", "LLM judge: 'low,high' of score_in_range's verdict (scaled to 0..1), given "
+                                          "to a parser that takes judge_range")
+    reward_judge_fallback: float = opt(0.0, "LLM judge: the score of a verdict the parser cannot read (counted in "
+                                            "reward/judge_parse_errors)")
+    reward_judge_max_tokens: int = opt(64, "LLM judge: longest verdict, in the judge's tokens")
+    reward_judge_temperature: float = opt(0.0, "LLM judge: sampling temperature of the verdict; 0 = greedy")
+    reward_judge_prompt_length: int = opt(2048, "LLM judge: longest judge prompt in the judge's tokens (longer ones "
+                                                "get the fallback score, counted)")
+    reward_judge_engine: str = opt("hf", "LLM judge: hf (a frozen copy, Hugging Face generate) | vllm (a vLLM "
+                                         "engine of its own, asleep while the models train)")
+    reward_judge_gpu_memory_utilization: float = opt(0.2, "LLM judge, vllm on GPU: the judge engine's share of GPU "
+                                                          "memory (beside rollout_gpu_memory_utilization)")
+    reward_judge_kv_cache_gb: float = opt(0.5, "LLM judge, vllm on CPU: the judge engine's KV cache in GiB")
     # reward shaping
     reward_clip: float = opt(0.0, "clip each sequence score to [-reward_clip, reward_clip] (after shaping); 0 = off")
     overlong_buffer_len: int = opt(0, "DAPO overlong shaping: penalise responses longer than max_response_length - this; 0 = off")
@@ -542,7 +568,8 @@ def validate_config(cfg: Config) -> None:
         need(not cfg.rollout_ignore_eos, "rollout_ignore_eos cannot run with tools or an environment: a turn ends at "
                                          "its end-of-turn token")
     need(cfg.reward_fn or cfg.reward_model_path, "set reward_fn ('module:function') or reward_model_path")
-    for key in ("model_path", "critic_model_path", "ref_model_path", "reward_model_path"):
+    validate_judge(cfg)
+    for key in ("model_path", "critic_model_path", "ref_model_path", "reward_model_path", "reward_judge_path"):
         path = getattr(cfg, key)
         need(not path or Path(path).is_dir(), f"{key}: model directory {path} "
              + ("is a file: give the directory that holds config.json" if Path(path).is_file() else "does not exist"))
@@ -581,6 +608,39 @@ def validate_config(cfg: Config) -> None:
             need(Path(path).is_file(), f"{key}: file {path} does not exist")
     need(_split_files(cfg.train_files), "train_files is empty: give at least one parquet or jsonl file")
     validate_rollout_mode(cfg)
+
+
+def validate_judge(cfg: Config) -> None:
+    """The reward's source keys: one source, and the LLM judge's own keys."""
+    def need(ok, msg):
+        if not ok:
+            raise UserError(msg)
+
+    need(cfg.reward_model_engine in ("trained", "vllm"),
+         f"reward_model_engine must be trained or vllm, got {cfg.reward_model_engine!r}")
+    need(cfg.reward_model_kv_cache_gb > 0, f"reward_model_kv_cache_gb must be > 0, got {cfg.reward_model_kv_cache_gb}")
+    need(0 < cfg.reward_model_gpu_memory_utilization <= 1, "reward_model_gpu_memory_utilization must be in (0, 1], "
+                                                           f"got {cfg.reward_model_gpu_memory_utilization}")
+    need(cfg.reward_model_engine == "trained" or cfg.reward_model_path,
+         f"reward_model_engine={cfg.reward_model_engine} serves reward_model_path, which is not set")
+    if not cfg.reward_judge_path:
+        return
+    default_fn = default_of(next(f for f in dataclasses.fields(Config) if f.name == "reward_fn"))
+    need(not cfg.reward_model_path, f"reward_judge_path={cfg.reward_judge_path} and reward_model_path="
+                                    f"{cfg.reward_model_path}: the reward comes from one of them, set only one")
+    need(cfg.reward_fn == default_fn, f"reward_judge_path={cfg.reward_judge_path} and reward_fn={cfg.reward_fn}: the "
+                                      "judge's verdict is the reward, drop reward_fn (or reward_judge_path)")
+    need(cfg.reward_judge_engine in ("hf", "vllm"),
+         f"reward_judge_engine must be hf or vllm, got {cfg.reward_judge_engine!r}")
+    for key in ("reward_judge_max_tokens", "reward_judge_prompt_length", "reward_judge_kv_cache_gb"):
+        need(getattr(cfg, key) > 0, f"{key} must be > 0, got {getattr(cfg, key)}")
+    need(cfg.reward_judge_temperature >= 0, f"reward_judge_temperature must be >= 0, got {cfg.reward_judge_temperature}")
+    need(0 < cfg.reward_judge_gpu_memory_utilization <= 1, "reward_judge_gpu_memory_utilization must be in (0, 1], "
+                                                           f"got {cfg.reward_judge_gpu_memory_utilization}")
+    need(cfg.reward_judge_template, "reward_judge_path is set but reward_judge_template is empty: give a Jinja file "
+                                    "rendered with prompt, response and any dataset column")
+    need(Path(cfg.reward_judge_template).is_file(), f"reward_judge_template: file {cfg.reward_judge_template} does "
+                                                    "not exist")
 
 
 ROLLOUT_MODES = ("colocated", "one_step_off", "async")

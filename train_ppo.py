@@ -377,14 +377,20 @@ def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet, 
     scores = scorer(mine, responses, batch, cfg.ppo_micro_batch_size_per_device,
                     getattr(out, "columns", None)).to(accelerator.device)[:real]
     texts, responses = mine.texts[:real], responses[:real]
-    sums = torch.stack([scores.sum(), (scores >= 1.0).float().sum(), torch.tensor(float(len(scores)), device=scores.device)])
-    total, correct, count = accelerator.reduce(sums.double(), reduction="sum").tolist()
+    unreadable = float(sum(scorer.unreadable[:real])) if scorer.judge is not None else 0.0
+    scorer.take_judge_errors()   # validation's own count: not the next training step's
+    sums = torch.tensor([scores.sum().item(), (scores >= 1.0).float().sum().item(), float(len(scores)), unreadable],
+                        dtype=torch.float64, device=scores.device)
+    total, correct, count, unreadable = accelerator.reduce(sums, reduction="sum").tolist()
     metrics = {"val/score_mean": total / count}
     if scorer.is_verifier:
         metrics["val/accuracy"] = correct / count
     n = min(cfg.log_samples, len(texts))
     samples = {"prompt": texts[:n], "response": tokenizer.batch_decode(responses[:n], skip_special_tokens=True),
                "score": scores[:n].tolist()}
+    if scorer.judge is not None:   # the judge's raw verdicts beside the responses they scored
+        metrics["val/judge_parse_errors"] = unreadable
+        samples["judge"] = scorer.verdicts[:n]
     return metrics, samples
 
 
@@ -507,7 +513,7 @@ def setup(cfg: Config) -> Run:
     scorer = Scorer(cfg, tokenizer, None)
     read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
                                       cfg.prompt_truncation, scorer.dataset_columns(TRAJECTORY_COLUMNS if tools else ()),
-                                      cfg.reward_fn, keep_rows=tools is not None,
+                                      scorer.source, keep_rows=tools is not None,
                                       template_kwargs=cfg.chat_template_kwargs)
     train, val = read(cfg.train_files), (read(cfg.val_files) if cfg.val_files else None)
     steps = total_steps(cfg, len(train.ids))
@@ -537,6 +543,7 @@ def setup(cfg: Config) -> Run:
     # kinds every rank logs perf/mfu or none does: the step's metrics are reduced as one tensor
     peak = torch.tensor([flops.peak(accelerator.device, cfg.dtype == "bf16", cfg.peak_tflops)], device=accelerator.device)
     run.peak_flops = float(accelerator.gather(peak).min())
+    scorer.start(world, accelerator.process_index, accelerator.device)   # a judge's or served reward model's engine
     start_engine(run)
     if cfg.rollout_mode != "colocated":   # generation in its own loop; the RNG as colocated leaves it (seeds drawn from it)
         with torch.random.fork_rng(devices=[]):
@@ -799,6 +806,8 @@ def rollout_metrics(run: Run, data: Rollouts, batch: dict, drift: float, regener
         metrics["rollout/logprob_diff"] = drift
     if run.scorer.is_verifier:
         metrics["reward/accuracy"] = (scores >= 1.0).float().mean().item()
+    if run.scorer.judge is not None:   # the mean over ranks makes it a sum over the data-parallel ranks
+        metrics["reward/judge_parse_errors"] = run.scorer.take_judge_errors() * ulysses.data_parallel(run.accelerator)[0]
     if cfg.entropy_floor:
         metrics.update({"guard/entropy_reaction": float(run.guards.entropy_reaction),
                         "guard/temperature": temperature, "guard/entropy_coeff": run.guards.entropy_coeff})
@@ -1035,6 +1044,7 @@ def main(cfg: Config) -> None:
             accelerator.wait_for_everyone()
         if run.rollouts is not None:
             run.rollouts.close()
+        run.scorer.shutdown()
         run.engine.shutdown()   # vLLM's teardown may already destroy the process group
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

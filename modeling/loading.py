@@ -78,7 +78,7 @@ def load_models(cfg: Config):
                   f"{missing[:5]}", file=sys.stderr, flush=True)
         critic.config.pad_token_id = tokenizer.pad_token_id
     reward_model = None
-    if cfg.reward_model_path:
+    if cfg.reward_model_path and cfg.reward_model_engine == "trained":   # vllm: the scorer serves it
         with console.expected_missing_weights():   # a sequence classifier's head has no bias: zero, as it scored
             reward_model, missing = _load("reward_model_path", cfg.reward_model_path, value_models.load_value_model,
                                           dtype=frozen_dtype, config_key="reward_model_path", head_required=True)

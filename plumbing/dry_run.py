@@ -33,9 +33,10 @@ def dry_run(cfg: Config) -> bool:
     tokenizer = load_tokenizer(cfg.model_path, AutoTokenizer)
     tools = make_tool_rollouts(cfg, tokenizer)   # multi-turn: the tools load, the chat template passes the check
     # a trajectory provides what a multi-turn reward takes beyond the data (messages, tool_calls, ...)
-    columns = Scorer(cfg, tokenizer, None).dataset_columns(TRAJECTORY_COLUMNS if tools else ())
+    scorer = Scorer(cfg, tokenizer, None)   # the reward function, or the judge's template and parser, read
+    columns = scorer.dataset_columns(TRAJECTORY_COLUMNS if tools else ())
     read = lambda files: load_prompts(files, cfg.prompt_key, tokenizer, cfg.max_prompt_length,   # noqa: E731
-                                      cfg.prompt_truncation, columns, cfg.reward_fn, keep_rows=tools is not None,
+                                      cfg.prompt_truncation, columns, scorer.source, keep_rows=tools is not None,
                                       template_kwargs=cfg.chat_template_kwargs)
     longest_with_tools = 0
 
@@ -79,7 +80,14 @@ def dry_run(cfg: Config) -> bool:
         engine=cfg.rollout_engine,
         gpu_memory_utilization=cfg.rollout_gpu_memory_utilization, kv_cache_gb=cfg.rollout_kv_cache_gb,
         gpu_bytes=gpu, host_bytes=host, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-        baseline_bytes=baseline)
+        baseline_bytes=baseline,
+        judge=shape("reward_judge_path", cfg.reward_judge_path, "causal") if cfg.reward_judge_path else None,
+        judge_engine=cfg.reward_judge_engine, judge_gpu_memory_utilization=cfg.reward_judge_gpu_memory_utilization,
+        judge_kv_cache_gb=cfg.reward_judge_kv_cache_gb,
+        judge_seq_len=cfg.reward_judge_prompt_length + cfg.reward_judge_max_tokens,
+        served_reward=cfg.reward_model_engine == "vllm",
+        served_gpu_memory_utilization=cfg.reward_model_gpu_memory_utilization,
+        served_kv_cache_gb=cfg.reward_model_kv_cache_gb)
     if rank != 0:
         return True
     changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)

@@ -22,6 +22,10 @@ The figures are estimates of the largest terms, stated per component so they can
   for the rollout (its full weights, not a shard); vLLM's share (gpu_memory_utilization of the GPU, or its
   weights plus rollout_kv_cache_gb on CPU), which on a GPU coexists with the model states during
   generation (sleep mode only frees it while the models train).
+- the LLM judge (reward_judge_path): the hf engine's frozen copy and its KV cache while scoring, or
+  its vLLM engine's share (reward_judge_gpu_memory_utilization; on CPU its weights plus
+  reward_judge_kv_cache_gb); a reward model on vLLM (reward_model_engine=vllm) likewise; scoring
+  runs between generation and the update, so it peaks alone.
 - the process itself: on CPU, the resident memory of the libraries once imported (measured now);
   on GPU, about 1 GiB of CUDA context.
 """
@@ -76,6 +80,14 @@ class Plan:
     baseline_bytes: int               # the process before any model loads
     notes: list[str] = field(default_factory=list)
     sp: int = 1                       # ulysses_sequence_parallel_size: ranks sharing each sequence
+    judge: ModelShape | None = None   # the LLM judge (reward_judge_path)
+    judge_engine: str = "hf"          # hf | vllm
+    judge_gpu_memory_utilization: float = 0.0
+    judge_kv_cache_gb: float = 0.0
+    judge_seq_len: int = 0            # reward_judge_prompt_length + reward_judge_max_tokens
+    served_reward: bool = False       # reward_model_engine=vllm: `reward` runs on a vLLM engine of its own
+    served_gpu_memory_utilization: float = 0.0
+    served_kv_cache_gb: float = 0.0
 
 
 def model_shape(path: str, kind: str, lora_rank: int = 0, lora_targets: str = "all-linear") -> ModelShape:
@@ -127,7 +139,7 @@ def rows_for(plan: Plan, world: int) -> list[tuple[str, float, str]]:
         if z == 3:
             rows.append((f"{name} ZeRO-3 gathered layer", m.largest * weight_b, device))
     for name, m, off in (("reference", plan.ref, plan.ref_offload), ("reward model", plan.reward, plan.reward_offload)):
-        if m is not None:
+        if m is not None and not (name == "reward model" and plan.served_reward):
             rows.append((f"{name} weights", shard(m.params * frozen_b, 3), "host" if off and z == 3 else device))
     act_b = 2 if plan.bf16 else 4
     split = " per rank of a sequence-parallel group" if plan.sp > 1 else ""
@@ -162,9 +174,34 @@ def rows_for(plan: Plan, world: int) -> list[tuple[str, float, str]]:
     else:
         rows.append(("vLLM weights + rollout_kv_cache_gb", a.params * (2 if plan.bf16 else 4) + plan.kv_cache_gb * GiB,
                      device))
+    rows += judge_rows(plan)
     rows.append(("CUDA context" if plan.gpu_bytes else "libraries (this process, measured)",
                  1 * GiB if plan.gpu_bytes else plan.baseline_bytes, device))
     return rows
+
+
+def judge_rows(plan: Plan) -> list[tuple[str, float, str]]:
+    """The LLM judge: the hf engine's frozen copy stays resident and its KV cache exists while it
+    scores; a vLLM judge holds its share (GPU) or its weights and KV cache (CPU). Scoring runs
+    while the rollout engine sleeps and no activations are kept, so it peaks on its own."""
+    weight_b = 2 if plan.bf16 else 4
+    if plan.served_reward and plan.reward is not None:
+        return [("served reward model: vLLM (reward_model_gpu_memory_utilization, while scoring)",
+                 plan.served_gpu_memory_utilization * plan.gpu_bytes, "device")] if plan.gpu_bytes else \
+               [("served reward model: vLLM weights + reward_model_kv_cache_gb",
+                 plan.reward.params * weight_b + plan.served_kv_cache_gb * GiB, "device")]
+    j = plan.judge
+    if j is None:
+        return []
+    if plan.judge_engine == "hf":
+        return [("judge weights (hf engine)", j.params * weight_b, "device"),
+                ("judge: KV cache while scoring (hf engine)",
+                 2 * plan.gen_batch * plan.judge_seq_len * j.layers * j.kv_width * weight_b, "device")]
+    if plan.gpu_bytes:
+        return [("judge: vLLM (reward_judge_gpu_memory_utilization, while scoring)",
+                 plan.judge_gpu_memory_utilization * plan.gpu_bytes, "device")]
+    return [("judge: vLLM weights + reward_judge_kv_cache_gb", j.params * weight_b + plan.judge_kv_cache_gb * GiB,
+             "device")]
 
 
 def need(rows) -> tuple[float, float]:
@@ -172,15 +209,19 @@ def need(rows) -> tuple[float, float]:
     activations and generation (they do not coexist)."""
     def is_act(what):
         return "activations" in what or "logits" in what
+    def is_judging(what):   # scoring on an engine of its own: while the rollout engine sleeps
+        return what.startswith(("judge:", "served reward model:"))
+
     def is_gen(what):
-        return "KV cache" in what or "vLLM" in what or what.startswith("generation")
+        return not is_judging(what) and ("KV cache" in what or "vLLM" in what or what.startswith("generation"))
     base = {"device": 0.0, "host": 0.0}
     for what, b, where in rows:
-        if not is_act(what) and not is_gen(what):
+        if not is_act(what) and not is_gen(what) and not is_judging(what):
             base[where] += b
     act = max([sum(b for w, b, _ in rows if is_act(w) and w.startswith(who)) for who in ("actor", "critic")] + [0])
     gen = sum(b for w, b, _ in rows if is_gen(w))
-    return base["device"] + max(act, gen), base["host"]
+    judging = sum(b for w, b, _ in rows if is_judging(w))
+    return base["device"] + max(act, gen, judging), base["host"]
 
 
 def report(plan: Plan) -> bool:
@@ -250,6 +291,11 @@ def _advice(rows, plan: Plan) -> list[str]:
                   " / lower ppo_micro_batch_size_per_device (or use_dynamic_bsz with a smaller ppo_max_token_len_per_device)"
         elif "logits" in what:
             tip = "lower ppo_micro_batch_size_per_device (the logits grow with the vocabulary)"
+        elif what.startswith("served reward model"):
+            tip = "lower reward_model_gpu_memory_utilization" if plan.gpu_bytes else "lower reward_model_kv_cache_gb"
+        elif what.startswith("judge"):
+            tip = ("lower reward_judge_gpu_memory_utilization" if plan.gpu_bytes else "lower reward_judge_kv_cache_gb") \
+                if plan.judge_engine == "vllm" else "lower rollout_micro_batch_size or reward_judge_prompt_length"
         elif "vLLM" in what:
             tip = "lower rollout_gpu_memory_utilization" if plan.gpu_bytes else "lower rollout_kv_cache_gb"
         elif "KV cache" in what:

@@ -63,7 +63,7 @@ class PromptSet:
                          pick(self.rows) if self.rows else [])
 
 
-def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str, columns=(), reward_fn="",
+def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str, columns=(), reward_fn="the reward",
                  keep_rows: bool = False, template_kwargs: dict | None = None) -> PromptSet:
     """Prompts from parquet/jsonl files, tokenized; every problem names the file (and row).
     template_kwargs: chat_template_kwargs, for prompts given as chat messages."""
@@ -74,7 +74,7 @@ def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str,
             raise UserError(f"{path}: no column {key!r} (prompt_key); its columns are {list(frame.columns)}")
         for column in columns:
             if column not in frame.columns:
-                raise UserError(f"{path}: no column {column!r}, which reward_fn {reward_fn} takes; its columns are "
+                raise UserError(f"{path}: no column {column!r}, which {reward_fn} takes; its columns are "
                                 f"{list(frame.columns)}")
         kept = []
         for row, prompt in enumerate(frame[key]):

@@ -22,25 +22,33 @@ from prompts.sets import PromptSet
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_reward_fn(spec: str):
+def load_function(spec: str, key: str = "reward_fn"):
+    """The function a "module:function" key names (reward_fn, reward_judge_parser), or a UserError
+    naming the key, the module and what went wrong."""
     if ":" not in spec:
-        raise UserError(f"reward_fn must look like 'module:function', got {spec!r}")
+        raise UserError(f"{key} must look like 'module:function', got {spec!r}")
     module, name = spec.split(":", 1)
     sys.path.insert(0, str(ROOT))   # rewards/ ships in the repository root
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name and (module == e.name or module.startswith(e.name + ".")):
-            raise UserError(f"reward_fn {spec!r}: no module named {e.name!r} on the Python path (this repository and "
+            raise UserError(f"{key} {spec!r}: no module named {e.name!r} on the Python path (this repository and "
                             f"PYTHONPATH): add the module's directory to PYTHONPATH") from None
-        raise UserError(f"reward_fn {spec!r}: importing {module} raised {_raised_at(e, module)}") from None
+        raise UserError(f"{key} {spec!r}: importing {module} raised {_raised_at(e, module)}") from None
     except Exception as e:   # the user's code runs at import: a SyntaxError, or anything it raises
-        raise UserError(f"reward_fn {spec!r}: importing {module} raised {_raised_at(e, module)}") from None
+        raise UserError(f"{key} {spec!r}: importing {module} raised {_raised_at(e, module)}") from None
     fn = getattr(mod, name, None)
     if fn is None:
-        raise UserError(f"reward_fn {spec!r}: module {module} ({getattr(mod, '__file__', '?')}) has no {name!r}")
+        raise UserError(f"{key} {spec!r}: module {module} ({getattr(mod, '__file__', '?')}) has no {name!r}")
     if not callable(fn):
-        raise UserError(f"reward_fn {spec!r}: {module}.{name} = {fn!r:.40} is not a function")
+        raise UserError(f"{key} {spec!r}: {module}.{name} = {fn!r:.40} is not a function")
+    return fn
+
+
+def load_reward_fn(spec: str):
+    fn = load_function(spec)
+    name = spec.split(":", 1)[1]
     import inspect
     try:
         signature = inspect.signature(fn)
@@ -93,21 +101,70 @@ def score_with_fn(fn, spec: str, prompts: list[str], responses: list[str], colum
 
 
 class Scorer:
-    """The reward: a verifier/reward function on decoded text, or a reward model on token ids."""
+    """The reward: a verifier/reward function on decoded text, an LLM judge's verdicts on it
+    (rewards/judge.py), or a reward model on token ids."""
 
     def __init__(self, cfg: Config, tokenizer, reward_model):
         self.cfg, self.tokenizer, self.reward_model = cfg, tokenizer, reward_model
-        self.fn = None if cfg.reward_model_path else load_reward_fn(cfg.reward_fn)
+        self.judge = self.served = None   # served: the reward model on a vLLM pooling engine
+        if cfg.reward_judge_path:   # its template and parser are read now; setup starts its engine
+            from rewards.judge import Judge
+            self.judge = Judge(cfg)
+        self.fn = None if cfg.reward_model_path or self.judge else load_reward_fn(cfg.reward_fn)
         self.is_verifier = bool(getattr(self.fn, "is_verifier", False))
-        self.columns = reward_fn_columns(self.fn) if self.fn else []
+        self.columns = self.judge.columns if self.judge else reward_fn_columns(self.fn) if self.fn else []
+        self.source = (f"reward_judge_template {cfg.reward_judge_template}" if self.judge else
+                       f"reward_fn {cfg.reward_fn}")   # what reads the dataset columns
+        self.verdicts: list[str] | None = None       # the judge's raw outputs of the last call
+        self.unreadable: list[bool] = []             # which of them scored the fallback
+        self.judge_errors = 0                        # unreadable verdicts since take_judge_errors()
+
+    def start(self, world: int, rank: int, device=None) -> None:
+        """The engine the reward runs on, if it has one of its own: the judge's, or the served
+        reward model's (reward_model_engine=vllm); asleep until it scores."""
+        if self.judge is not None:
+            self.judge.start(world, rank, device)
+        if self.cfg.reward_model_path and self.cfg.reward_model_engine == "vllm":
+            from rollout.vllm import VLLMClassifier
+            cfg = self.cfg
+            try:
+                self.served = VLLMClassifier(cfg.reward_model_path, dtype=cfg.dtype,
+                                             max_model_len=cfg.max_prompt_length + cfg.max_response_length,
+                                             gpu_memory_utilization=cfg.reward_model_gpu_memory_utilization,
+                                             kv_cache_gb=cfg.reward_model_kv_cache_gb, distributed=world > 1)
+            except RuntimeError as e:
+                why = " ".join(line.strip() for line in str(e).splitlines()[:2])
+                raise UserError(f"reward_model_engine=vllm: {why} (reward_model_kv_cache_gb (CPU), "
+                                "reward_model_gpu_memory_utilization (GPU), or reward_model_engine=trained)") from None
+            self.served.sleep()
+
+    def shutdown(self) -> None:
+        for engine in (self.judge, self.served):
+            if engine is not None:
+                engine.shutdown()
+
+    def take_judge_errors(self) -> int:
+        """The unreadable verdicts counted since the last call (reward/judge_parse_errors)."""
+        errors, self.judge_errors = self.judge_errors, 0
+        return errors
 
     def __call__(self, prompts: PromptSet, responses: list[list[int]], batch: dict, micro: int,
                  trajectory: dict | None = None) -> torch.Tensor:
         """trajectory (multi-turn): messages, tool_calls, tool_errors, env_reward per sample; the
         function gets those it names as parameters, and the environment's reward is added."""
         trajectory = trajectory or {}
-        if self.reward_model is not None:
+        if self.served is not None:   # every real token of each sequence, unpadded: vLLM reads the last
+            real = batch["attention_mask"].bool().cpu()
+            sequences = [ids[keep].tolist() for ids, keep in zip(batch["input_ids"].cpu(), real)]
+            self.served.wake_up()
+            scores = torch.tensor(self.served.score(sequences), dtype=torch.float32)
+            self.served.sleep()
+        elif self.reward_model is not None:
             scores = forward_in_micro_batches(lambda mb: reward_model_scores(self.reward_model, mb), batch, micro)
+        elif self.judge is not None:
+            texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+            scores, self.verdicts, self.unreadable = self.judge(prompts.texts, texts, prompts.columns)
+            self.judge_errors += sum(self.unreadable)
         else:
             texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
             columns = {**prompts.columns, **{k: v for k, v in trajectory.items() if k in self.columns}}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from contextlib import contextmanager
 from typing import Iterable
 
 import numpy as np
@@ -79,32 +80,19 @@ class VLLMEngine:
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         self._sleep_level = sleep_level
 
-        # Creating the engine reseeds the global RNGs and, on CPU, replaces torch.set_num_threads
-        # with a no-op for the whole process: undo both, the trainer owns them. (It also
-        # gc.freeze()s every object alive, the trainer's too; that stays: unfrozen, each full
-        # garbage collection rescans vLLM's ~800k startup objects, 0.5 s instead of 5 ms.)
-        rng_states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state(),
-                      torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-        set_num_threads = torch.set_num_threads
         try:
-            self._llm = LLM(
-                model=str(model_path), dtype={"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype), seed=seed,
-                max_model_len=max_model_len, enforce_eager=enforce_eager or self._on_cpu,
-                # logprobs after temperature (and top-k/top-p): those of the distribution sampled from
-                logprobs_mode="processed_logprobs",
-                generation_config="vllm",   # sampling comes only from SamplingParams, not the model's defaults
-                **engine_args)
-            # unsupported kernels (e.g. an attention head size) only fail on the first forward
-            self._llm.generate([_tokens_prompt([0])], _vllm_params(max_tokens=1), use_tqdm=False)
+            with _process_state_kept():
+                self._llm = LLM(
+                    model=str(model_path), dtype={"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype), seed=seed,
+                    max_model_len=max_model_len, enforce_eager=enforce_eager or self._on_cpu,
+                    # logprobs after temperature (and top-k/top-p): those of the distribution sampled from
+                    logprobs_mode="processed_logprobs",
+                    generation_config="vllm",   # sampling comes only from SamplingParams, not the model's defaults
+                    **engine_args)
+                # unsupported kernels (e.g. an attention head size) only fail on the first forward
+                self._llm.generate([_tokens_prompt([0])], _vllm_params(max_tokens=1), use_tqdm=False)
         except Exception as e:
             raise RuntimeError(f"vLLM failed for {model_path}: {type(e).__name__}: {e}\n{_FIX_CONFIG}") from e
-        finally:
-            random.setstate(rng_states[0])
-            np.random.set_state(rng_states[1])
-            torch.random.set_rng_state(rng_states[2])
-            if rng_states[3] is not None:
-                torch.cuda.set_rng_state_all(rng_states[3])
-            torch.set_num_threads = set_num_threads
         _quiet_vllm_logs()
 
         if eos_token_id is None:
@@ -129,7 +117,7 @@ class VLLMEngine:
         expanded = [p for p in prompts for _ in range(params.n)]   # prompt-major, one request each
         greedy = params.temperature == 0
         keys = share.keys(params.n)
-        first_seed = self._next_seed if params.seed is None else params.seed   # a seed given: the counter stays
+        base = self._next_seed if params.seed is None else params.seed   # a seed given: the counter stays
         if params.seed is None:
             self._next_seed += share.total * params.n
         if not expanded:   # an empty share of a split batch
@@ -139,7 +127,7 @@ class VLLMEngine:
             temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
             top_k=0 if greedy or params.top_k <= 0 else params.top_k, max_tokens=params.max_tokens,
             ignore_eos=params.ignore_eos, stop_token_ids=None if params.ignore_eos else sorted(self.eos_ids),
-            seed=None if greedy else (first_seed + key) % 2**32) for key in keys]
+            seed=None if greedy else (base + key) % 2**32) for key in keys]
         outputs = self._llm.generate(requests, sampling, use_tqdm=False)   # in request order
         responses, logprobs = [], []
         for out in outputs:
@@ -259,6 +247,77 @@ def first_seed(seed: int) -> int:
     """An engine's first per-request seed: torch's CPU generator keeps only 32 bits of a seed, so
     engines seeded seed+rank get disjoint ranges of 2**24 requests each inside 32 bits."""
     return seed * 2**24 % 2**32
+
+
+@contextmanager
+def _process_state_kept():
+    """Creating an engine reseeds the global RNGs and, on CPU, replaces torch.set_num_threads with
+    a no-op for the whole process: both undone, the trainer owns them. (It also gc.freeze()s every
+    object alive, the trainer's too; that stays: unfrozen, each full garbage collection rescans
+    vLLM's ~800k startup objects, 0.5 s instead of 5 ms.)"""
+    rng_states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state(),
+                  torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    set_num_threads = torch.set_num_threads
+    try:
+        yield
+    finally:
+        random.setstate(rng_states[0])
+        np.random.set_state(rng_states[1])
+        torch.random.set_rng_state(rng_states[2])
+        if rng_states[3] is not None:
+            torch.cuda.set_rng_state_all(rng_states[3])
+        torch.set_num_threads = set_num_threads
+
+
+class VLLMClassifier:
+    """A sequence classifier with one label (a reward model) on vLLM's pooling runner, in this
+    process (reward_model_engine=vllm): each sequence's raw score (no sigmoid) read at its last
+    token, which is the last real token since sequences go in unpadded. Asleep between scorings."""
+
+    def __init__(self, model_path: str, *, dtype: str = "fp32", max_model_len: int = 2048,
+                 gpu_memory_utilization: float = 0.2, kv_cache_gb: float = 0.5, distributed: bool = False):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        engine_args = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if on_cpu else \
+            {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
+        if on_cpu:
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        if distributed:
+            engine_args["distributed_executor_backend"] = "external_launcher"
+        try:
+            with _process_state_kept():
+                self._llm = LLM(model=str(model_path), runner="pooling",
+                                dtype={"fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype),
+                                max_model_len=max_model_len, enforce_eager=True, **engine_args)
+                self.score([[0]])   # a model vLLM cannot pool fails here, not at the first step
+        except Exception as e:
+            raise RuntimeError(f"vLLM (pooling) failed for {model_path}: {type(e).__name__}: {e}") from e
+        _quiet_vllm_logs()
+        self._asleep = False
+
+    def score(self, sequences: list[list[int]]) -> list[float]:
+        if not sequences:   # a rank with nothing to score
+            return []
+        from vllm import PoolingParams
+        outputs = self._llm.classify([_tokens_prompt(s) for s in sequences], use_tqdm=False,
+                                     pooling_params=PoolingParams(use_activation=False))
+        return [float(out.outputs.probs[0]) for out in outputs]
+
+    def sleep(self) -> None:
+        if not self._asleep:
+            self._llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self._llm.wake_up()
+            self._asleep = False
+
+    def shutdown(self) -> None:
+        self._llm.llm_engine.engine_core.shutdown()
 
 
 def _tensor_parallel_group(size: int):

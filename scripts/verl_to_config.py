@@ -103,6 +103,13 @@ def _filter_overlong(value):
     raise NotCarried("false is verl's default: data.truncation decides (carried from it)")
 
 
+def _served_by(value):
+    """vllm: the reward model on a vLLM pooling engine of its own"""
+    if value != "vllm":
+        raise NotCarried(f"only vllm serves a reward model here (reward_model_engine=vllm); {value!r} is not built")
+    return "vllm"
+
+
 def _mapping(value):
     """the mapping as it is (its dotted leaves gathered into one)"""
     return dict(value)
@@ -143,6 +150,8 @@ MAPPING = {
     "critic.model.path": ("critic_model_path", _path),
     "reward_model.model.path": ("reward_model_path", _path),
     "reward_model.model.fsdp_config.param_offload": "reward_offload",
+    "reward_model.rollout.name": ("reward_model_engine", _served_by),
+    "reward_model.rollout.gpu_memory_utilization": "reward_model_gpu_memory_utilization",
     "reward_model.overlong_buffer.len": "overlong_buffer_len",
     "reward_model.overlong_buffer.penalty_factor": "overlong_penalty_factor",
     # actor
@@ -251,6 +260,8 @@ MAPPING = {
 GATES = {
     "reward_model.model.path": "reward_model.enable",
     "reward_model.model.fsdp_config.param_offload": "reward_model.enable",
+    "reward_model.rollout.name": "reward_model.enable",
+    "reward_model.rollout.gpu_memory_utilization": "reward_model.enable",
     "reward_model.overlong_buffer.len": "reward_model.overlong_buffer.enable",
     "reward_model.overlong_buffer.penalty_factor": "reward_model.overlong_buffer.enable",
 }
@@ -270,6 +281,9 @@ ALWAYS = {
     "actor_rollout_ref.hybrid_engine": "generation and training always share the GPUs (vLLM sleeps while the "
                                        "models train)",
     "data.return_raw_chat": "prompts given as chat messages are always rendered with the tokenizer's chat template",
+    "reward_model.use_reward_loop": "verl's way of computing rewards (its reward loop, or the older reward workers); "
+                                    "here each rank scores its own samples after generating, and "
+                                    "reward_model.rollout.name=vllm carries as reward_model_engine=vllm",
     "trainer.use_legacy_worker_impl": "it picks between verl's own worker implementations, which compute the same "
                                       "algorithm; the toolkit has one",
 }
@@ -282,6 +296,7 @@ FIXED_PATTERNS = {
 # verl values that are this toolkit's fixed behaviour: nothing to set when the value matches.
 FIXED = {
     R + "do_sample": True,
+    "reward_model.rollout.tensor_model_parallel_size": 1,
     R + "val_kwargs.n": 1,
     A + "policy_loss.loss_mode": "vanilla",
     "data.shuffle": True,
@@ -327,10 +342,14 @@ HINTS = {
     R + "load_format": "vLLM gets the actor's weights in process after every update",
     R + "layered_summon": "LoRA weights are merged and sent layer by layer already",
     R + "dtype": "the rollout follows dtype",
-    "reward_model.rollout.*": "a reward model served by its own vLLM engine (e.g. a generative judge) is not built "
-                              "yet (docs/migrating.md): use reward_model_path (a scoring head) or reward_fn",
-    "reward_model.use_reward_loop": "a reward model served by its own vLLM engine (e.g. a generative judge) is not "
-                                    "built yet (docs/migrating.md): use reward_model_path or reward_fn",
+    "reward_model.rollout.prompt_length": "the served reward model reads each whole sequence (max_prompt_length + "
+                                          "max_response_length tokens); an LLM judge's limits are "
+                                          "reward_judge_prompt_length and reward_judge_max_tokens",
+    "reward_model.rollout.response_length": "a served reward model writes nothing; an LLM judge's verdict length is "
+                                            "reward_judge_max_tokens",
+    "reward_model.num_workers": "each rank scores its own samples in its own process: there are no reward workers",
+    "reward_model.rollout.*": "the served reward model's engine takes reward_model_gpu_memory_utilization (GPU) or "
+                              "reward_model_kv_cache_gb (CPU); vLLM's other settings keep their defaults",
     "*.checkpoint.*": "checkpoints always hold weights, optimizer states and every RNG (see save_freq)",
 }
 

@@ -375,14 +375,34 @@ def test_gpus_and_nodes_make_the_launch_line():
     assert bad.launch == "" and [key for key, _, _ in bad.not_carried] == ["trainer.n_gpus_per_node"]
 
 
-def test_a_reward_model_served_by_vllm_is_reported_not_built():
-    """reward_model.rollout.* and use_reward_loop (a generative judge on its own vLLM engine): not
-    carried, each with the reason and the docs page that says why not yet."""
-    t = v2c.translate(v2c.resolve(v2c.read_verl([], [
-        "reward_model.use_reward_loop=True", "reward_model.rollout.name=vllm",
-        "reward_model.rollout.gpu_memory_utilization=0.5", "reward_model.rollout.tensor_model_parallel_size=1"])))
-    assert not t.carried and len(t.not_carried) == 4
-    assert all("not built yet" in why and "docs/migrating.md" in why for _, _, why in t.not_carried)
+def test_the_reward_loop_keys_carry_where_they_mean_the_same():
+    """verl's reward loop serving a reward model on vLLM: rollout.name and its memory share carry
+    (with reward_model.enable, as the model path does); the other reward-loop keys are named with
+    their reason."""
+    keys = ["reward_model.enable=True", "reward_model.model.path=/m/rm", "reward_model.use_reward_loop=True",
+            "reward_model.rollout.name=vllm", "reward_model.rollout.gpu_memory_utilization=0.3",
+            "reward_model.rollout.tensor_model_parallel_size=1", "reward_model.rollout.prompt_length=2048",
+            "reward_model.rollout.response_length=1024", "reward_model.num_workers=8"]
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], keys)))
+    assert t.carried["reward_model_engine"][0] == "vllm"
+    assert t.carried["reward_model_gpu_memory_utilization"][0] == 0.3
+    assert {key for key, _, _ in t.not_carried} == {"reward_model.rollout.prompt_length",
+                                                     "reward_model.rollout.response_length",
+                                                     "reward_model.num_workers"}
+    reasons = {key: why for key, _, why in t.not_carried}
+    assert "reward_judge_prompt_length" in reasons["reward_model.rollout.prompt_length"]
+    assert "no reward workers" in reasons["reward_model.num_workers"]
+    assert {"reward_model.use_reward_loop", "reward_model.rollout.tensor_model_parallel_size"} <= \
+        {key for key, _, _ in t.used}
+
+    # without reward_model.enable, verl serves no reward model: nothing carried that would not act
+    off = v2c.translate(v2c.resolve(v2c.read_verl([], ["reward_model.rollout.name=vllm"])))
+    assert not off.carried and "reward_model.enable=true" in off.not_carried[0][2]
+    other = v2c.translate(v2c.resolve(v2c.read_verl([], [
+        "reward_model.enable=True", "reward_model.rollout.name=sglang", "reward_model.rollout.tensor_model_parallel_size=2"])))
+    assert "reward_model_engine" not in other.carried
+    assert {key for key, _, _ in other.not_carried} == {"reward_model.rollout.name",
+                                                         "reward_model.rollout.tensor_model_parallel_size"}
 
 
 @pytest.mark.parametrize("script", sorted((ROOT / "tests" / "data" / "verl_scripts").glob("*.txt")),
