@@ -672,8 +672,6 @@ def validate_rollout_mode(cfg: Config) -> None:
                 "set rollout_mode=colocated"),
                ("filter_groups_enable", cfg.filter_groups_enable, "DAPO's dynamic sampling does not run on the rollout "
                 "side yet: set rollout_mode=colocated"),
-               ("lora_rank", cfg.lora_rank > 0, "a LoRA actor's merged weights are not sent to the rollout side yet: "
-                "set rollout_mode=colocated"),
                ("ulysses_sequence_parallel_size", cfg.ulysses_sequence_parallel_size > 1, "sequence parallelism does "
                 "not run with a rollout side yet: set rollout_mode=colocated"),
                ("rollout_max_logprob_diff", cfg.rollout_max_logprob_diff > 0, "with stale samples the drift measures "
