@@ -1,11 +1,16 @@
-"""Translate a verl PPO config (ppo_trainer YAML and/or Hydra command-line overrides) into this toolkit's YAML.
+"""Translate a verl PPO config (a launch script, ppo_trainer YAML and/or Hydra overrides) into this toolkit's YAML.
 
+    python scripts/verl_to_config.py run_qwen2.5-0.5b.sh -o configs/mine.yaml
     python scripts/verl_to_config.py --verl_config my_ppo_trainer.yaml -o configs/mine.yaml
     python scripts/verl_to_config.py -o configs/mine.yaml \\
         data.train_batch_size=256 actor_rollout_ref.actor.optim.lr=1e-6 algorithm.kl_ctrl.kl_coef=0.001
 
+A launch script (a file given in place of the overrides) is read as bash would run it
+(verl_launch_script.py): the overrides of its `main_ppo` command, its shell variables resolved from the
+script's assignments and the environment; one that cannot be resolved is named and not carried.
 Overrides are the `key=value` arguments of verl's example scripts (`+key=value`, `++key=value` and
-`~key` work as in Hydra); they apply after the YAML files, in order. verl's defaults are not
+`~key` work as in Hydra); they apply after the YAML files, in order: the script's first, then those
+given after it (where the script's `$@` would put them). verl's defaults are not
 available offline, so only what you give is translated: anything you leave out takes this
 toolkit's default (python train_ppo.py --help), which is not always verl's.
 
@@ -29,6 +34,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import config  # the Config this translates to
 from errors import UserError
+from verl_launch_script import read_launch_script
 
 
 class NotCarried(Exception):
@@ -461,6 +467,7 @@ class Translation:
     used: list          # (verl key, value, note): consumed with nothing (more) to set
     not_carried: list   # (verl key, value, reason)
     launch: str = ""    # the accelerate launch line that trainer.n_gpus_per_node / trainer.nnodes make
+    notes: list = dataclasses.field(default_factory=list)   # about the source (a launch script's reading)
 
 
 # verl keys whose value is a mapping (flattened on reading): gathered back into one before translating.
@@ -634,6 +641,7 @@ def to_yaml(t: Translation, sources: str) -> str:
     order = [f.name for f in dataclasses.fields(config.Config)]
     lines = [f"# Translated from verl ({sources}) by scripts/verl_to_config.py.",
              "# Keys not written here take this toolkit's defaults (python train_ppo.py --help), not verl's."]
+    lines += [f"# Note: {note}" for note in t.notes]
     if t.launch:
         lines.append(f"# Launch: {t.launch}")
     for name in sorted(t.carried, key=order.index):
@@ -655,22 +663,52 @@ def report(t: Translation) -> str:
         lines += [f"  {key} = {_show(value)}  ({note})" for key, value, note in t.used]
     if t.launch:
         lines.append(f"launch with: {t.launch}")
+    lines += [f"note: {note}" for note in t.notes]
     lines.append(f"NOT carried ({len(t.not_carried)}):")
     lines += [f"  {key} = {_show(value)}  ({why})" for key, value, why in t.not_carried]
     return "\n".join(lines)
 
 
+def _is_script(arg: str) -> bool:
+    """A launch script, not an override: a file's path with no = in it."""
+    return "=" not in arg and not arg.startswith(("~", "+")) and Path(arg).is_file()
+
+
+def _unresolved_reason(names: list) -> str:
+    plain = all(re.fullmatch(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", name) for name in names)
+    return (f"{', '.join(names)}: not set in the script or the environment" if plain else
+            f"{', '.join(names)}: a command, positional argument or expansion the translator does not run")
+
+
+def translate_sources(yaml_files: list, script_path: str, overrides: list, env=None) -> Translation:
+    """The translation of verl's YAML files, a launch script's main_ppo overrides (variables from the
+    script and `env`, default os.environ) and further overrides, applied in that order."""
+    script = read_launch_script(script_path, dict(os.environ if env is None else env)) if script_path else None
+    t = translate(resolve(read_verl(yaml_files, (script.overrides if script else []) + list(overrides))))
+    if script:
+        t.notes = [f"read the main_ppo command at line {script.line} of {script_path}"] + script.notes
+        t.not_carried += [(key, text.split("=", 1)[-1], _unresolved_reason(names))
+                          for key, text, names in script.unresolved]
+    return t
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("overrides", nargs="*", help="verl overrides: key=value, +key=value, ~key")
+    parser.add_argument("overrides", nargs="*", help="a verl launch script (.sh), then verl overrides: key=value, "
+                                                     "+key=value, ~key")
     parser.add_argument("--verl_config", action="append", default=[], help="a verl ppo_trainer YAML (repeatable)")
     parser.add_argument("-o", "--out", default="", help="write the toolkit YAML here (default: stdout)")
     args = parser.parse_args(argv)
     if not args.verl_config and not args.overrides:
-        parser.error("give --verl_config FILE and/or key=value overrides")
-    t = translate(resolve(read_verl(args.verl_config, args.overrides)))
-    sources = ", ".join(args.verl_config + ([f"{len(args.overrides)} overrides"] if args.overrides else []))
+        parser.error("give a launch script, --verl_config FILE and/or key=value overrides")
+    script_path = args.overrides.pop(0) if args.overrides and _is_script(args.overrides[0]) else ""
+    try:
+        t = translate_sources(args.verl_config, script_path, args.overrides)
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
+    sources = ", ".join(args.verl_config + [script_path] * bool(script_path)
+                        + ([f"{len(args.overrides)} overrides"] if args.overrides else []))
     text = to_yaml(t, sources)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
