@@ -158,6 +158,7 @@ MAPPING = {
     "reward_model.model.fsdp_config.param_offload": "reward_offload",
     "reward_model.rollout.name": ("reward_model_engine", _served_by),
     "reward_model.rollout.gpu_memory_utilization": "reward_model_gpu_memory_utilization",
+    "reward_model.micro_batch_size_per_gpu": "reward_model_micro_batch_size_per_device",
     "reward_model.overlong_buffer.len": "overlong_buffer_len",
     "reward_model.overlong_buffer.penalty_factor": "overlong_penalty_factor",
     # actor
@@ -215,7 +216,7 @@ MAPPING = {
     "critic.optim.lr": "critic_lr",
     "critic.optim.weight_decay": "weight_decay",
     "critic.optim.lr_warmup_steps": ("lr_warmup_steps", _warmup_steps),
-    "critic.optim.lr_warmup_steps_ratio": "lr_warmup_steps_ratio",
+    "critic.optim.lr_warmup_steps_ratio": "critic_lr_warmup_steps_ratio",
     "critic.grad_clip": "critic_max_grad_norm",
     "critic.cliprange_value": "cliprange_value",
     "critic.ppo_mini_batch_size": "critic_ppo_mini_batch_size",            # the critic's own schedule
@@ -259,6 +260,7 @@ MAPPING = {
     "trainer.project_name": "mlflow_experiment",
     "trainer.experiment_name": "run_name",
     "trainer.log_val_generations": "log_samples",
+    "trainer.log_system_metrics": "mlflow_system_metrics",
     "async_training.partial_rollout": ("partial_rollout", _one_of(False)),
 }
 
@@ -268,6 +270,7 @@ GATES = {
     "reward_model.model.fsdp_config.param_offload": "reward_model.enable",
     "reward_model.rollout.name": "reward_model.enable",
     "reward_model.rollout.gpu_memory_utilization": "reward_model.enable",
+    "reward_model.micro_batch_size_per_gpu": "reward_model.enable",
     "reward_model.overlong_buffer.len": "reward_model.overlong_buffer.enable",
     "reward_model.overlong_buffer.penalty_factor": "reward_model.overlong_buffer.enable",
 }
@@ -278,10 +281,13 @@ PER_GPU = {
     "critic.ppo_micro_batch_size": "critic_ppo_micro_batch_size_per_device",
     R + "log_prob_micro_batch_size": "log_prob_micro_batch_size_per_device",
     "actor_rollout_ref.ref.log_prob_micro_batch_size": "log_prob_micro_batch_size_per_device",
+    "reward_model.micro_batch_size": "reward_model_micro_batch_size_per_device",
 }
 
 # verl keys whose every value this toolkit already honours in its own way: nothing to set.
 ALWAYS = {
+    "*.use_rmpad": "verl's older name for use_remove_padding: the toolkit packs each micro-batch's sequences "
+                   "without padding by default (remove_padding)",
     "*.use_remove_padding": "the toolkit packs each micro-batch's sequences without padding by default "
                             "(remove_padding), in the training and the no-grad passes",
     "actor_rollout_ref.hybrid_engine": "generation and training always share the GPUs (vLLM sleeps while the "
@@ -306,11 +312,22 @@ FIXED = {
     R + "val_kwargs.n": 1,
     A + "policy_loss.loss_mode": "vanilla",
     "data.shuffle": True,
+    "trainer.default_hdfs_dir": None,           # verl's null: checkpoints are not copied to HDFS, nor here
+    R + "multi_turn.format": "hermes",          # <tool_call>{json}</tool_call>, what rollout/tools/parsing.py reads
 }
 
 # Why common verl keys have no counterpart (fnmatch patterns; the first match wins).
 HINTS = {
     "*._target_": "Hydra bookkeeping, not a setting",
+    A + "kl_loss.*": "not a key of verl's ppo_trainer config (Hydra refuses it without +); verl's are "
+                     "actor.kl_loss_type and actor.kl_loss_coef, which carry",
+    "algorithm.in_reward_kl.*": "not a key of verl's ppo_trainer config (Hydra refuses it without +); verl's are "
+                                "algorithm.kl_penalty and algorithm.kl_ctrl.*, which carry",
+    "*use_fused_kernels": "verl's fused LM-head kernels: the log-probs here come from the plain LM head "
+                          "(forward/), without a fused kernel",
+    "*fused_kernel_options.*": "verl's fused LM-head kernels: the log-probs here come from the plain LM head",
+    "reward_model.sandbox_fusion_url": "no remote code-execution service for rewards: reward functions run in "
+                                       "process (the python tool has its own sandbox, tool_sandbox)",
     "defaults": "Hydra bookkeeping: the files it names are not read; pass them with --verl_config",
     "hydra.*": "Hydra bookkeeping, not a setting",
     "trainer.logger": "the toolkit always writes metrics.jsonl and an MLflow run",
@@ -531,6 +548,9 @@ def translate(flat: dict) -> Translation:
         if key == "data.truncation" and flat.get("data.filter_overlong_prompts") is True:
             out.used.append((key, value, "moot: data.filter_overlong_prompts drops over-long prompts first"))
             continue
+        if key.startswith("reward_model.micro_batch_size") and _reward_micro_moot(flat):
+            out.not_carried.append((key, value, _reward_micro_moot(flat)))
+            continue
         if key in PER_GPU:
             gpus = flat.get("trainer.n_gpus_per_node")
             nodes = flat.get("trainer.nnodes", 1)
@@ -587,6 +607,16 @@ def translate(flat: dict) -> Translation:
     out.used.sort(key=lambda item: position[item[0]])
     out.not_carried.sort(key=lambda item: position[item[0]])
     return out
+
+
+def _reward_micro_moot(flat: dict) -> str:
+    """Why verl's reward-model micro-batch does not act in this run ('' when it does)."""
+    if flat.get("reward_model.enable") is not True:
+        return "verl ignores it unless reward_model.enable=true"
+    if flat.get("reward_model.rollout.name") == "vllm":
+        return ("the reward model is served on vLLM (reward_model.rollout.name=vllm), which batches by itself; "
+                "this micro-batch is the trained stack's")
+    return ""
 
 
 def _carry(key: str, value, flat: dict, hints: dict):
@@ -699,7 +729,7 @@ def main(argv=None):
                                                      "+key=value, ~key")
     parser.add_argument("--verl_config", action="append", default=[], help="a verl ppo_trainer YAML (repeatable)")
     parser.add_argument("-o", "--out", default="", help="write the toolkit YAML here (default: stdout)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)   # the script, -o FILE, then overrides, in any order
     if not args.verl_config and not args.overrides:
         parser.error("give a launch script, --verl_config FILE and/or key=value overrides")
     script_path = args.overrides.pop(0) if args.overrides and _is_script(args.overrides[0]) else ""
