@@ -65,8 +65,7 @@ class _Expander:
         if isinstance(value, list):
             value = value[0] if value else ""
         if op and (value is None or (op.startswith(":") and value == "")):
-            value = self.plain(default.strip()[1:-1] if default.strip()[:1] in "'\"" and len(default.strip()) > 1
-                               and default.strip()[0] == default.strip()[-1] else default)
+            value = self.plain(_unquoted(default.strip()))
             if op.endswith("="):
                 self.vars[name] = value
         return self.unresolved("${" + body + "}") if value is None else value
@@ -103,6 +102,11 @@ class _Expander:
         if isinstance(value, list):
             value = value[0] if value else ""
         return (self.unresolved(text[i:m.end()]) if value is None else value), m.end()
+
+
+def _unquoted(text: str) -> str:
+    """A default written in quotes, ${X:-'a b'}, without them."""
+    return text[1:-1] if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"" else text
 
 
 def _closing(text: str, start: int, open_: str, close: str) -> int:

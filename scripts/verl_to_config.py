@@ -700,8 +700,8 @@ def report(t: Translation) -> str:
 
 
 def _is_script(arg: str) -> bool:
-    """A launch script, not an override: a file's path with no = in it."""
-    return "=" not in arg and not arg.startswith(("~", "+")) and Path(arg).is_file()
+    """A launch script, not an override: a .sh name or a file's path, with no = in it."""
+    return "=" not in arg and not arg.startswith(("~", "+")) and (arg.endswith(".sh") or Path(arg).is_file())
 
 
 def _unresolved_reason(names: list) -> str:

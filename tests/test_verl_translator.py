@@ -6,6 +6,8 @@ output loads through config.load_config. Expected values are written by hand.
 Run from the repo root: python -m pytest tests/test_verl_translator.py -q
 """
 import dataclasses
+import os
+import subprocess
 import sys
 import typing
 from pathlib import Path
@@ -429,9 +431,9 @@ def test_verl_published_ppo_scripts_are_mostly_carried(script):
 
 def test_verl_published_ppo_scripts_carried_together(capsys):
     """Over the 18 FSDP scripts of verl's examples/ppo_trainer together, by count: 93.2% (708 of 760).
-    What is left, by count: wandb in trainer.logger (15), data.val_batch_size (8), keys verl's own
+    What is left, by count: wandb in trainer.logger (14), data.val_batch_size (8), keys verl's own
     config refuses (actor.kl_loss.*, algorithm.in_reward_kl.*: 10), the served reward model's reward-loop
-    sizes (6) and token budget (4), and 9 others; printed below."""
+    sizes (6), the reward model's token budget (4), and 10 others; printed below."""
     given, missing = 0, []
     for script in SCRIPTS:
         flat, t = _published(script)
@@ -512,7 +514,7 @@ PYTHONUNBUFFERED=1 nsys profile python3 -m verl.trainer.main_ppo --config-name='
     actor_rollout_ref.actor.optim.lr=1e-6 \
     trainer.logger=['console'] \
     "${EXTRA[@]}" \
-    trainer.total_epochs=${EPOCHS:-3} $@ 2>&1 | tee verl_demo.log
+    trainer.total_epochs=${EPOCHS:-"3"} $@ 2>&1 | tee verl_demo.log
 
 python3 -m verl.trainer.main_ppo trainer.total_epochs=99
 """
@@ -533,6 +535,27 @@ def test_a_launch_script_is_read_as_bash_runs_it(tmp_path):
     # the environment gives what the script leaves to it
     read = v2c.read_launch_script(str(script), {"HOME": "/h", "MODEL_DIR": "/models/m", "EPOCHS": "7"})
     assert "actor_rollout_ref.model.path=/models/m" in read.overrides and read.overrides[-1] == "trainer.total_epochs=7"
+
+
+# bash itself, with python3, nsys and huggingface-cli as functions: python3 writes the arguments of
+# the first main_ppo command it is given, one a line
+_RECORDER = r"""python3() { if [ "$1" = -m ] && [ "$2" = verl.trainer.main_ppo ]; then shift 2;
+  [ -e "$ARGS" ] || printf '%s\n' "$@" > "$ARGS"; fi; }
+nsys() { shift; "$@"; }
+huggingface-cli() { :; }
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"MODEL_DIR": "/models/m", "EPOCHS": "7"}])
+def test_the_reader_agrees_with_bash(tmp_path, env):
+    """The overrides read from the script are the words bash passes to main_ppo (its options aside)."""
+    script, args = tmp_path / "run.sh", tmp_path / "args.txt"
+    script.write_text(LAUNCH)
+    environ = {"HOME": "/h", "PATH": os.environ["PATH"], **env}
+    subprocess.run(["bash", "-c", _RECORDER + 'source "$0"', str(script)], cwd=tmp_path, check=True,
+                   env={**environ, "ARGS": str(args)}, capture_output=True)
+    words = [w for w in args.read_text().split("\n")[:-1] if not w.startswith("--")]
+    assert v2c.read_launch_script(str(script), environ).overrides == words
 
 
 def test_a_launch_script_translates_and_loads(workspace, capsys, monkeypatch):
@@ -597,6 +620,8 @@ def test_a_script_without_main_ppo_is_a_clear_error(tmp_path):
     other.write_text("python3 -m verl.trainer.main_ppo data.truncation='error\n")
     with pytest.raises(SystemExit, match=r"quote.sh, line 1"):
         v2c.main([str(other)])
+    with pytest.raises(SystemExit, match=r"missing.sh: no such launch script"):
+        v2c.main([str(tmp_path / "missing.sh")])
 
 
 # ---- keys carried for issue 43 ------------------------------------------------------------------
