@@ -184,6 +184,8 @@ MAPPING = {
     A + "kl_loss_type": "kl_loss_type",
     A + "loss_agg_mode": "loss_agg_mode",
     A + "grad_clip": "max_grad_norm",
+    A + "kl_loss.type": "kl_loss_type",                 # verl's early-2025 layout (kl_loss.coef > 1e-6: on)
+    A + "kl_loss.coef": "kl_loss_coef",
     # rollout
     R + "name": ("rollout_engine", _one_of("vllm", "hf")),
     R + "n": "rollout_n",
@@ -237,6 +239,11 @@ MAPPING = {
     "algorithm.kl_ctrl.kl_coef": "kl_coef",
     "algorithm.kl_ctrl.target_kl": "target_kl",
     "algorithm.kl_ctrl.horizon": "kl_horizon",
+    "algorithm.in_reward_kl.type": "kl_penalty",        # the same layout (in_reward_kl.coef > 1e-6: on)
+    "algorithm.in_reward_kl.coef": "kl_coef",
+    "algorithm.in_reward_kl.kl_ctrl.type": "kl_ctrl_type",
+    "algorithm.in_reward_kl.kl_ctrl.target_kl": "target_kl",
+    "algorithm.in_reward_kl.kl_ctrl.horizon": "kl_horizon",
     "algorithm.filter_groups.enable": "filter_groups_enable",
     "algorithm.filter_groups.metric": ("filter_groups_metric", _filter_metric),
     "algorithm.filter_groups.max_num_gen_batches": ("max_num_gen_batches", _gen_batches),
@@ -319,10 +326,6 @@ FIXED = {
 # Why common verl keys have no counterpart (fnmatch patterns; the first match wins).
 HINTS = {
     "*._target_": "Hydra bookkeeping, not a setting",
-    A + "kl_loss.*": "not a key of verl's ppo_trainer config (Hydra refuses it without +); verl's are "
-                     "actor.kl_loss_type and actor.kl_loss_coef, which carry",
-    "algorithm.in_reward_kl.*": "not a key of verl's ppo_trainer config (Hydra refuses it without +); verl's are "
-                                "algorithm.kl_penalty and algorithm.kl_ctrl.*, which carry",
     "*use_fused_kernels": "verl's fused LM-head kernels: the log-probs here come from the plain LM head "
                           "(forward/), without a fused kernel",
     "*fused_kernel_options.*": "verl's fused LM-head kernels: the log-probs here come from the plain LM head",
@@ -357,10 +360,14 @@ HINTS = {
     "*.strategy": "the toolkit trains with DeepSpeed ZeRO through Accelerate (accelerate_configs/), not FSDP/Megatron",
     "*megatron.*": "no Megatron parallelism",
     "data.val_batch_size": "each rank validates its whole share of val_files at once",
+    "reward_model.forward_max_token_len_per_gpu": "the reward model's micro-batch is a sequence count "
+                                                  "(reward_model_micro_batch_size_per_device), not a token budget",
     "*forward_max_token_len_per_gpu": "the no-grad passes use the actor's and critic's token budgets",
     "*log_prob_use_dynamic_bsz": "the no-grad passes batch like the update (use_dynamic_bsz)",
-    "reward_model.micro_batch_size*": "the reward model scores in ppo_micro_batch_size_per_device micro-batches",
-    "reward_model.use_dynamic_bsz": "the reward model scores in ppo_micro_batch_size_per_device micro-batches",
+    "reward_model.micro_batch_size": "verl's global micro-batch: give trainer.n_gpus_per_node (and nnodes) to "
+                                     "divide it",
+    "reward_model.use_dynamic_bsz": "the reward model's micro-batch is a sequence count "
+                                    "(reward_model_micro_batch_size_per_device), not a token budget",
     R + "enable_chunked_prefill": "vLLM's scheduler defaults are used",
     R + "load_format": "vLLM gets the actor's weights in process after every update",
     R + "layered_summon": "LoRA weights are merged and sent layer by layer already",
@@ -603,10 +610,25 @@ def translate(flat: dict) -> Translation:
             continue
         out.carried[target] = (value, key, "")
     _launch(flat, out)
+    _older_kl_switches(flat, out)
     position = {key: i for i, key in enumerate(flat)}        # report in the order the user wrote them
     out.used.sort(key=lambda item: position[item[0]])
     out.not_carried.sort(key=lambda item: position[item[0]])
     return out
+
+
+# verl's early-2025 layout had no use_kl_loss / use_kl_in_reward: a coefficient over 1e-6 switched each on.
+OLDER_KL_SWITCHES = {A + "kl_loss.coef": (A + "use_kl_loss", "use_kl_loss"),
+                     "algorithm.in_reward_kl.coef": ("algorithm.use_kl_in_reward", "use_kl_in_reward")}
+
+
+def _older_kl_switches(flat: dict, out: Translation) -> None:
+    """The switch an older-layout KL coefficient implies, carried beside the coefficient (unless the
+    switch itself is given)."""
+    for key, (switch, target) in OLDER_KL_SWITCHES.items():
+        coef = out.carried.get(MAPPING[key])
+        if coef is not None and coef[1] == key and switch not in flat:
+            out.carried[target] = (coef[0] > 1e-6, key, "verl's older layout: on when the coefficient is over 1e-6")
 
 
 def _reward_micro_moot(flat: dict) -> str:

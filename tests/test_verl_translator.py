@@ -430,10 +430,9 @@ def test_verl_published_ppo_scripts_are_mostly_carried(script):
 
 
 def test_verl_published_ppo_scripts_carried_together(capsys):
-    """Over the 18 FSDP scripts of verl's examples/ppo_trainer together, by count: 93.2% (708 of 760).
-    What is left, by count: wandb in trainer.logger (14), data.val_batch_size (8), keys verl's own
-    config refuses (actor.kl_loss.*, algorithm.in_reward_kl.*: 10), the served reward model's reward-loop
-    sizes (6), the reward model's token budget (4), and 10 others; printed below."""
+    """Over the 18 FSDP scripts of verl's examples/ppo_trainer together, by count: 94.5% (718 of 760).
+    What is left, by count: wandb in trainer.logger (14), data.val_batch_size (8), the served reward
+    model's reward-loop sizes (6), the reward model's token budget (4), and 10 others; printed below."""
     given, missing = 0, []
     for script in SCRIPTS:
         flat, t = _published(script)
@@ -443,7 +442,7 @@ def test_verl_published_ppo_scripts_carried_together(capsys):
         print(f"\nverl PPO scripts: {given - len(missing)}/{given} carried or consumed; not carried:")
         for script, key, why in missing:
             print(f"  {script}: {key} ({why})")
-    assert len(SCRIPTS) == 18 and (given - len(missing)) / given >= 0.93, (given, len(missing))
+    assert len(SCRIPTS) == 18 and (given - len(missing)) / given >= 0.944, (given, len(missing))
 
 
 def test_ulysses_sizes_must_agree_the_toolkit_has_one():
@@ -657,3 +656,18 @@ def test_the_reward_models_micro_batch_acts_only_on_the_trained_stack():
 def test_values_that_are_the_toolkits_behaviour_are_consumed_others_not(override, consumed):
     t = v2c.translate(v2c.resolve(v2c.read_verl([], [override])))
     assert not t.carried and (len(t.used), len(t.not_carried)) == ((1, 0) if consumed else (0, 1))
+
+
+def test_verls_older_kl_layout_carries_with_its_switches():
+    """verl's early-2025 layout (actor.kl_loss.{type,coef}, algorithm.in_reward_kl.{type,coef,kl_ctrl}) had
+    no use_kl_loss / use_kl_in_reward: a coefficient over 1e-6 switched each on, and so does the translation."""
+    t = v2c.translate(v2c.resolve(v2c.read_verl([], [
+        "actor_rollout_ref.actor.kl_loss.type=low_var_kl", "actor_rollout_ref.actor.kl_loss.coef=0.001",
+        "algorithm.in_reward_kl.type=kl", "algorithm.in_reward_kl.kl_ctrl.type=fixed", "algorithm.in_reward_kl.coef=0"])))
+    assert {k: v[0] for k, v in t.carried.items()} == {
+        "kl_loss_type": "low_var_kl", "kl_loss_coef": 0.001, "use_kl_loss": True,
+        "kl_penalty": "kl", "kl_ctrl_type": "fixed", "kl_coef": 0.0, "use_kl_in_reward": False}
+    assert not t.not_carried
+    given = v2c.translate(v2c.resolve(v2c.read_verl([], ["actor_rollout_ref.actor.kl_loss.coef=0.001",
+                                                         "actor_rollout_ref.actor.use_kl_loss=False"])))
+    assert given.carried["use_kl_loss"][:2] == (False, "actor_rollout_ref.actor.use_kl_loss")
