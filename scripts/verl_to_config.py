@@ -555,8 +555,8 @@ def translate(flat: dict) -> Translation:
         if key == "data.truncation" and flat.get("data.filter_overlong_prompts") is True:
             out.used.append((key, value, "moot: data.filter_overlong_prompts drops over-long prompts first"))
             continue
-        if key.startswith("reward_model.micro_batch_size") and _reward_micro_moot(flat):
-            out.not_carried.append((key, value, _reward_micro_moot(flat)))
+        if key in TRAINED_RM_KEYS and value is not False and _trained_rm_moot(flat):
+            out.not_carried.append((key, value, _trained_rm_moot(flat)))
             continue
         if key in PER_GPU:
             gpus = flat.get("trainer.n_gpus_per_node")
@@ -631,13 +631,18 @@ def _older_kl_switches(flat: dict, out: Translation) -> None:
             out.carried[target] = (coef[0] > 1e-6, key, "verl's older layout: on when the coefficient is over 1e-6")
 
 
-def _reward_micro_moot(flat: dict) -> str:
-    """Why verl's reward-model micro-batch does not act in this run ('' when it does)."""
+# verl's settings of the reward model's FSDP worker: here the trained-stack reward model's
+TRAINED_RM_KEYS = ("reward_model.micro_batch_size", "reward_model.micro_batch_size_per_gpu",
+                   "reward_model.model.fsdp_config.param_offload")
+
+
+def _trained_rm_moot(flat: dict) -> str:
+    """Why a setting of verl's reward-model worker does not act in this run ('' when it does)."""
     if flat.get("reward_model.enable") is not True:
         return "verl ignores it unless reward_model.enable=true"
     if flat.get("reward_model.rollout.name") == "vllm":
-        return ("the reward model is served on vLLM (reward_model.rollout.name=vllm), which batches by itself; "
-                "this micro-batch is the trained stack's")
+        return ("the reward model is served on vLLM (reward_model.rollout.name=vllm); this setting is the "
+                "trained stack's reward model's")
     return ""
 
 
@@ -736,10 +741,12 @@ def translate_sources(yaml_files: list, script_path: str, overrides: list, env=N
     """The translation of verl's YAML files, a launch script's main_ppo overrides (variables from the
     script and `env`, default os.environ) and further overrides, applied in that order."""
     script = read_launch_script(script_path, dict(os.environ if env is None else env)) if script_path else None
-    t = translate(resolve(read_verl(yaml_files, (script.overrides if script else []) + list(overrides))))
+    flat = resolve(read_verl(yaml_files, (script.overrides if script else []) + list(overrides)))
+    t = translate(flat)
     if script:
         t.notes = [f"read the main_ppo command at line {script.line} of {script_path}"] + script.notes
-        t.not_carried += [(key, text.split("=", 1)[-1], _unresolved_reason(names))
+        t.not_carried += [(key, text.split("=", 1)[-1], _unresolved_reason(names)
+                           + ("; a later override sets the key" if key in flat else ""))
                           for key, text, names in script.unresolved]
     return t
 

@@ -430,9 +430,9 @@ def test_verl_published_ppo_scripts_are_mostly_carried(script):
 
 
 def test_verl_published_ppo_scripts_carried_together(capsys):
-    """Over the 18 FSDP scripts of verl's examples/ppo_trainer together, by count: 94.5% (718 of 760).
+    """Over the 18 FSDP scripts of verl's examples/ppo_trainer together, by count: 94.3% (717 of 760).
     What is left, by count: wandb in trainer.logger (14), data.val_batch_size (8), the served reward
-    model's reward-loop sizes (6), the reward model's token budget (4), and 10 others; printed below."""
+    model's reward-loop sizes (6), the reward model's token budget (4), and 11 others; printed below."""
     given, missing = 0, []
     for script in SCRIPTS:
         flat, t = _published(script)
@@ -442,7 +442,7 @@ def test_verl_published_ppo_scripts_carried_together(capsys):
         print(f"\nverl PPO scripts: {given - len(missing)}/{given} carried or consumed; not carried:")
         for script, key, why in missing:
             print(f"  {script}: {key} ({why})")
-    assert len(SCRIPTS) == 18 and (given - len(missing)) / given >= 0.944, (given, len(missing))
+    assert len(SCRIPTS) == 18 and (given - len(missing)) / given >= 0.943, (given, len(missing))
 
 
 def test_ulysses_sizes_must_agree_the_toolkit_has_one():
@@ -599,6 +599,10 @@ def test_an_unresolved_variable_is_named_and_not_carried(tmp_path, capsys):
     # given by the environment, it is carried
     t = v2c.translate_sources([], str(script), [], env={"BATCH": "128", "PROJECT": "p"})
     assert t.carried["train_batch_size"][0] == 128 and t.carried["mlflow_experiment"][0] == "p"
+    # given after the script, the later value is carried and the unresolved one still named
+    t = v2c.translate_sources([], str(script), ["data.train_batch_size=32"], env={})
+    assert t.carried["train_batch_size"][:2] == (32, "data.train_batch_size")
+    assert t.not_carried[0][2].endswith("; a later override sets the key")
 
 
 def test_a_comment_inside_the_continuation_ends_the_command_as_in_bash(tmp_path):
@@ -631,17 +635,19 @@ def test_the_critic_has_its_own_warmup_ratio():
     assert not t.not_carried
 
 
-def test_the_reward_models_micro_batch_acts_only_on_the_trained_stack():
+def test_the_reward_models_worker_settings_act_only_on_the_trained_stack():
     base = ["reward_model.enable=True", "reward_model.model.path=/rm"]
     t = v2c.translate(v2c.resolve(v2c.read_verl([], base + ["reward_model.micro_batch_size_per_gpu=32"])))
     assert t.carried["reward_model_micro_batch_size_per_device"][0] == 32 and not t.not_carried
     t = v2c.translate(v2c.resolve(v2c.read_verl([], base + ["reward_model.micro_batch_size=64",
                                                             "trainer.n_gpus_per_node=8"])))
     assert t.carried["reward_model_micro_batch_size_per_device"][:2] == (8, "reward_model.micro_batch_size")
-    served = v2c.translate(v2c.resolve(v2c.read_verl([], base + ["reward_model.rollout.name=vllm",
-                                                                 "reward_model.micro_batch_size_per_gpu=32"])))
-    assert "reward_model_micro_batch_size_per_device" not in served.carried
-    assert [k for k, _, why in served.not_carried if "served on vLLM" in why] == ["reward_model.micro_batch_size_per_gpu"]
+    served = v2c.translate(v2c.resolve(v2c.read_verl([], base + [
+        "reward_model.rollout.name=vllm", "reward_model.micro_batch_size_per_gpu=32",
+        "reward_model.model.fsdp_config.param_offload=True"])))
+    assert {"reward_model_micro_batch_size_per_device", "reward_offload"}.isdisjoint(served.carried)
+    assert [k for k, _, why in served.not_carried if "served on vLLM" in why] == [
+        "reward_model.micro_batch_size_per_gpu", "reward_model.model.fsdp_config.param_offload"]
     off = v2c.translate(v2c.resolve(v2c.read_verl([], ["reward_model.micro_batch_size_per_gpu=32"])))
     assert not off.carried and "reward_model.enable=true" in off.not_carried[0][2]
 
