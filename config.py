@@ -253,6 +253,8 @@ class Config:
     lr_warmup_steps: int = opt(0, "linear learning-rate warmup over this many steps (actor and critic)")
     lr_warmup_steps_ratio: float = opt(0.0, "warmup as a fraction of total_training_steps, when lr_warmup_steps is 0 "
                                             "(verl's lr_warmup_steps_ratio)")
+    critic_lr_warmup_steps_ratio: typing.Optional[float] = opt(None, "the critic's warmup fraction, when lr_warmup_steps "
+                                                                     "is 0; None = lr_warmup_steps_ratio")
     lr_scheduler_type: str = opt("constant", "after warmup: constant | cosine (decays to min_lr_ratio x lr by the last step)")
     min_lr_ratio: float = opt(0.0, "cosine schedule: the final learning rate as a fraction of the initial one")
     max_grad_norm: float = opt(1.0, "actor gradient clipping (global norm)")
@@ -265,6 +267,9 @@ class Config:
     log_prob_micro_batch_size_per_device: typing.Optional[int] = opt(
         None, "sequences per no-grad forward pass (old and reference log-probs, values; nothing kept for a backward "
               "pass, so it can be larger); None = ppo_micro_batch_size_per_device")
+    reward_model_micro_batch_size_per_device: typing.Optional[int] = opt(
+        None, "reward_model_engine=trained: sequences per reward-model forward pass on one device; None = "
+              "log_prob_micro_batch_size_per_device")
     log_prob_max_token_len_per_device: typing.Optional[int] = opt(
         None, "use_dynamic_bsz: tokens per micro-batch of the no-grad old and reference log-prob passes; None = "
               "ppo_max_token_len_per_device")
@@ -519,7 +524,9 @@ def validate_config(cfg: Config) -> None:
     for key in ("actor_lr", "critic_lr", "max_grad_norm", "critic_max_grad_norm", "rollout_kv_cache_gb",
                 "rollout_sync_bucket_mb", "ppo_max_token_len_per_device"):
         need(getattr(cfg, key) > 0, f"{key} must be > 0, got {getattr(cfg, key)}")
-    need(0 <= cfg.lr_warmup_steps_ratio <= 1, f"lr_warmup_steps_ratio must be in [0, 1], got {cfg.lr_warmup_steps_ratio}")
+    for key in ("lr_warmup_steps_ratio", "critic_lr_warmup_steps_ratio"):
+        value = getattr(cfg, key)
+        need(value is None or 0 <= value <= 1, f"{key} must be in [0, 1], got {value}")
     for key in ("weight_decay", "lr_warmup_steps", "critic_warmup", "kl_coef", "kl_loss_coef", "log_samples",
                 "reward_clip"):
         need(getattr(cfg, key) >= 0, f"{key} must be >= 0, got {getattr(cfg, key)}")
@@ -541,7 +548,8 @@ def validate_config(cfg: Config) -> None:
         value = getattr(cfg, key)
         need(value is None or value > 0, f"{key} must be > 0, got {value}")
     for key in ("critic_ppo_mini_batch_size", "critic_ppo_micro_batch_size_per_device", "critic_ppo_epochs",
-                "critic_ppo_max_token_len_per_device", "log_prob_micro_batch_size_per_device"):
+                "critic_ppo_max_token_len_per_device", "log_prob_micro_batch_size_per_device",
+                "reward_model_micro_batch_size_per_device"):
         need(getattr(cfg, key) is None or getattr(cfg, key) > 0, f"{key} must be > 0 (or None), got {getattr(cfg, key)}")
     for role in ("actor", "critic"):
         sched, key = schedule(cfg, role), "ppo_mini_batch_size" if role == "actor" else "critic_ppo_mini_batch_size"
@@ -711,6 +719,12 @@ def schedule(cfg: Config, role: str) -> Schedule:
         return getattr(cfg, key) if value is None else value
     return Schedule(own("ppo_mini_batch_size"), own("ppo_micro_batch_size_per_device"), own("ppo_epochs"),
                     own("ppo_max_token_len_per_device") * sp if cfg.use_dynamic_bsz else 0)
+
+
+def reward_micro_batch(cfg: Config) -> int:
+    """Sequences per forward pass of a reward model on the trained stack, in training and validation."""
+    return (cfg.reward_model_micro_batch_size_per_device or cfg.log_prob_micro_batch_size_per_device
+            or cfg.ppo_micro_batch_size_per_device)
 
 
 def sampling_cut(cfg: Config) -> bool:

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 import kl
-from config import (Config, HERE, _split_files, config_warnings, critic_checkpointing, load_config, sampling_cut,
-                    schedule, total_steps)
+from config import (Config, HERE, _split_files, config_warnings, critic_checkpointing, load_config, reward_micro_batch,
+                    sampling_cut, schedule, total_steps)
 from core_algos import (agg_loss, compute_gae, compute_grpo_advantages, compute_reinforce_pp_advantages,
                         compute_reinforce_pp_baseline_advantages, compute_rloo_advantages, explained_variance,
                         kl_in_reward, masked_mean, masked_sum, pf_ppo_resample, place_scores, policy_loss,
@@ -374,7 +374,7 @@ def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet, 
     responses = out.responses
     batch = to_device(out.batch(tokenizer.pad_token_id) if tools else pack_batch(mine.ids, responses, tokenizer.pad_token_id),
                       accelerator.device)
-    scores = scorer(mine, responses, batch, cfg.ppo_micro_batch_size_per_device,
+    scores = scorer(mine, responses, batch, reward_micro_batch(cfg),
                     getattr(out, "columns", None)).to(accelerator.device)[:real]
     texts, responses = mine.texts[:real], responses[:real]
     unreadable = float(sum(scorer.unreadable[:real])) if scorer.judge is not None else 0.0
@@ -650,8 +650,7 @@ def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, ag
         # multi-turn: response_mask is 0 at tool tokens (no policy loss, KL, entropy, value or advantage)
         batch = to_device(rollout.batch(run.tokenizer.pad_token_id) if run.tools else
                           pack_batch(prompts.ids, rollout.responses, run.tokenizer.pad_token_id), device)
-        micro = cfg.log_prob_micro_batch_size_per_device or cfg.ppo_micro_batch_size_per_device
-        scores = run.scorer(prompts, rollout.responses, batch, micro, getattr(rollout, "columns", None)).to(device)
+        scores = run.scorer(prompts, rollout.responses, batch, reward_micro_batch(cfg), getattr(rollout, "columns", None)).to(device)
     return Sampled(idx, rollout.responses, rollout.logprobs, scores, rollout if run.tools else None)
 
 

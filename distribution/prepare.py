@@ -65,7 +65,8 @@ def prepare_models(accelerator, ds: bool, cfg: Config, actor, critic, ref, rewar
     actor, actor_optim = accelerator.prepare(actor, actor_optim)
     critic_optim = critic_sched = None
     if critic is not None:
-        critic_optim, critic_sched = make_optimizer(critic, cfg.critic_lr, cfg, total_steps)
+        critic_optim, critic_sched = make_optimizer(critic, cfg.critic_lr, cfg, total_steps,
+                                                    cfg.critic_lr_warmup_steps_ratio)
         select("critic")
         critic, critic_optim = accelerator.prepare(critic, critic_optim)
     frozen = []

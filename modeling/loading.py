@@ -302,14 +302,16 @@ def _load(key: str, path: str, loader, what: str = "model", **kwargs):
         raise UserError(f"{key}: cannot load a {what} from {path}: {first_line(e)}") from None
 
 
-def make_optimizer(model, lr: float, cfg: Config, total_steps: int | None = None):
+def make_optimizer(model, lr: float, cfg: Config, total_steps: int | None = None, warmup_ratio: float | None = None):
     """AdamW and its schedule, which steps once per training step; total_steps: the run's length
-    (config.total_steps; default total_training_steps)."""
+    (config.total_steps; default total_training_steps); warmup_ratio: this model's own (the critic's),
+    default lr_warmup_steps_ratio."""
     # fused: one kernel over all tensors (on CPU about 5x faster than the per-tensor loop, same update)
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=cfg.weight_decay,
                               fused=True)
     steps = cfg.total_training_steps if total_steps is None else total_steps
+    ratio = cfg.lr_warmup_steps_ratio if warmup_ratio is None else warmup_ratio
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: lr_factor(
-        step, cfg.lr_warmup_steps or int(cfg.lr_warmup_steps_ratio * steps), steps, cfg.lr_scheduler_type,
+        step, cfg.lr_warmup_steps or int(ratio * steps), steps, cfg.lr_scheduler_type,
         cfg.min_lr_ratio))
     return optim, sched

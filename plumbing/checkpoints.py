@@ -46,7 +46,7 @@ RESUMABLE_KEYS = {"total_training_steps", "save_freq", "save_total_limit", "resu
                   "mlflow_tracking_uri", "mlflow_experiment", "mlflow_log_model", "mlflow_registered_model_name",
                   "run_name", "log_samples", "output_dir",
                   "rollout_micro_batch_size", "val_files", "val_temperature", "gradient_checkpointing", "peak_tflops",
-                  "malloc_mmap_threshold_mb"} | GUARD_ADVICE_KEYS
+                  "malloc_mmap_threshold_mb", "reward_model_micro_batch_size_per_device"} | GUARD_ADVICE_KEYS
 
 
 def find_checkpoint(resume: str, output_dir: str) -> Path | None:

@@ -1,11 +1,16 @@
-"""Translate a verl PPO config (ppo_trainer YAML and/or Hydra command-line overrides) into this toolkit's YAML.
+"""Translate a verl PPO config (a launch script, ppo_trainer YAML and/or Hydra overrides) into this toolkit's YAML.
 
+    python scripts/verl_to_config.py run_qwen2.5-0.5b.sh -o configs/mine.yaml
     python scripts/verl_to_config.py --verl_config my_ppo_trainer.yaml -o configs/mine.yaml
     python scripts/verl_to_config.py -o configs/mine.yaml \\
         data.train_batch_size=256 actor_rollout_ref.actor.optim.lr=1e-6 algorithm.kl_ctrl.kl_coef=0.001
 
+A launch script (a file given in place of the overrides) is read as bash would run it
+(verl_launch_script.py): the overrides of its `main_ppo` command, its shell variables resolved from the
+script's assignments and the environment; one that cannot be resolved is named and not carried.
 Overrides are the `key=value` arguments of verl's example scripts (`+key=value`, `++key=value` and
-`~key` work as in Hydra); they apply after the YAML files, in order. verl's defaults are not
+`~key` work as in Hydra); they apply after the YAML files, in order: the script's first, then those
+given after it (where the script's `$@` would put them). verl's defaults are not
 available offline, so only what you give is translated: anything you leave out takes this
 toolkit's default (python train_ppo.py --help), which is not always verl's.
 
@@ -29,6 +34,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import config  # the Config this translates to
 from errors import UserError
+from verl_launch_script import read_launch_script
 
 
 class NotCarried(Exception):
@@ -152,6 +158,7 @@ MAPPING = {
     "reward_model.model.fsdp_config.param_offload": "reward_offload",
     "reward_model.rollout.name": ("reward_model_engine", _served_by),
     "reward_model.rollout.gpu_memory_utilization": "reward_model_gpu_memory_utilization",
+    "reward_model.micro_batch_size_per_gpu": "reward_model_micro_batch_size_per_device",
     "reward_model.overlong_buffer.len": "overlong_buffer_len",
     "reward_model.overlong_buffer.penalty_factor": "overlong_penalty_factor",
     # actor
@@ -177,6 +184,8 @@ MAPPING = {
     A + "kl_loss_type": "kl_loss_type",
     A + "loss_agg_mode": "loss_agg_mode",
     A + "grad_clip": "max_grad_norm",
+    A + "kl_loss.type": "kl_loss_type",                 # verl's early-2025 layout (kl_loss.coef > 1e-6: on)
+    A + "kl_loss.coef": "kl_loss_coef",
     # rollout
     R + "name": ("rollout_engine", _one_of("vllm", "hf")),
     R + "n": "rollout_n",
@@ -209,7 +218,7 @@ MAPPING = {
     "critic.optim.lr": "critic_lr",
     "critic.optim.weight_decay": "weight_decay",
     "critic.optim.lr_warmup_steps": ("lr_warmup_steps", _warmup_steps),
-    "critic.optim.lr_warmup_steps_ratio": "lr_warmup_steps_ratio",
+    "critic.optim.lr_warmup_steps_ratio": "critic_lr_warmup_steps_ratio",
     "critic.grad_clip": "critic_max_grad_norm",
     "critic.cliprange_value": "cliprange_value",
     "critic.ppo_mini_batch_size": "critic_ppo_mini_batch_size",            # the critic's own schedule
@@ -230,6 +239,11 @@ MAPPING = {
     "algorithm.kl_ctrl.kl_coef": "kl_coef",
     "algorithm.kl_ctrl.target_kl": "target_kl",
     "algorithm.kl_ctrl.horizon": "kl_horizon",
+    "algorithm.in_reward_kl.type": "kl_penalty",        # the same layout (in_reward_kl.coef > 1e-6: on)
+    "algorithm.in_reward_kl.coef": "kl_coef",
+    "algorithm.in_reward_kl.kl_ctrl.type": "kl_ctrl_type",
+    "algorithm.in_reward_kl.kl_ctrl.target_kl": "target_kl",
+    "algorithm.in_reward_kl.kl_ctrl.horizon": "kl_horizon",
     "algorithm.filter_groups.enable": "filter_groups_enable",
     "algorithm.filter_groups.metric": ("filter_groups_metric", _filter_metric),
     "algorithm.filter_groups.max_num_gen_batches": ("max_num_gen_batches", _gen_batches),
@@ -253,6 +267,7 @@ MAPPING = {
     "trainer.project_name": "mlflow_experiment",
     "trainer.experiment_name": "run_name",
     "trainer.log_val_generations": "log_samples",
+    "trainer.log_system_metrics": "mlflow_system_metrics",
     "async_training.partial_rollout": ("partial_rollout", _one_of(False)),
 }
 
@@ -262,6 +277,7 @@ GATES = {
     "reward_model.model.fsdp_config.param_offload": "reward_model.enable",
     "reward_model.rollout.name": "reward_model.enable",
     "reward_model.rollout.gpu_memory_utilization": "reward_model.enable",
+    "reward_model.micro_batch_size_per_gpu": "reward_model.enable",
     "reward_model.overlong_buffer.len": "reward_model.overlong_buffer.enable",
     "reward_model.overlong_buffer.penalty_factor": "reward_model.overlong_buffer.enable",
 }
@@ -272,10 +288,13 @@ PER_GPU = {
     "critic.ppo_micro_batch_size": "critic_ppo_micro_batch_size_per_device",
     R + "log_prob_micro_batch_size": "log_prob_micro_batch_size_per_device",
     "actor_rollout_ref.ref.log_prob_micro_batch_size": "log_prob_micro_batch_size_per_device",
+    "reward_model.micro_batch_size": "reward_model_micro_batch_size_per_device",
 }
 
 # verl keys whose every value this toolkit already honours in its own way: nothing to set.
 ALWAYS = {
+    "*.use_rmpad": "verl's older name for use_remove_padding: the toolkit packs each micro-batch's sequences "
+                   "without padding by default (remove_padding)",
     "*.use_remove_padding": "the toolkit packs each micro-batch's sequences without padding by default "
                             "(remove_padding), in the training and the no-grad passes",
     "actor_rollout_ref.hybrid_engine": "generation and training always share the GPUs (vLLM sleeps while the "
@@ -300,11 +319,18 @@ FIXED = {
     R + "val_kwargs.n": 1,
     A + "policy_loss.loss_mode": "vanilla",
     "data.shuffle": True,
+    "trainer.default_hdfs_dir": None,           # verl's null: checkpoints are not copied to HDFS, nor here
+    R + "multi_turn.format": "hermes",          # <tool_call>{json}</tool_call>, what rollout/tools/parsing.py reads
 }
 
 # Why common verl keys have no counterpart (fnmatch patterns; the first match wins).
 HINTS = {
     "*._target_": "Hydra bookkeeping, not a setting",
+    "*use_fused_kernels": "verl's fused LM-head kernels: the log-probs here come from the plain LM head "
+                          "(forward/), without a fused kernel",
+    "*fused_kernel_options.*": "verl's fused LM-head kernels: the log-probs here come from the plain LM head",
+    "reward_model.sandbox_fusion_url": "no remote code-execution service for rewards: reward functions run in "
+                                       "process (the python tool has its own sandbox, tool_sandbox)",
     "defaults": "Hydra bookkeeping: the files it names are not read; pass them with --verl_config",
     "hydra.*": "Hydra bookkeeping, not a setting",
     "trainer.logger": "the toolkit always writes metrics.jsonl and an MLflow run",
@@ -334,10 +360,14 @@ HINTS = {
     "*.strategy": "the toolkit trains with DeepSpeed ZeRO through Accelerate (accelerate_configs/), not FSDP/Megatron",
     "*megatron.*": "no Megatron parallelism",
     "data.val_batch_size": "each rank validates its whole share of val_files at once",
+    "reward_model.forward_max_token_len_per_gpu": "the reward model's micro-batch is a sequence count "
+                                                  "(reward_model_micro_batch_size_per_device), not a token budget",
     "*forward_max_token_len_per_gpu": "the no-grad passes use the actor's and critic's token budgets",
     "*log_prob_use_dynamic_bsz": "the no-grad passes batch like the update (use_dynamic_bsz)",
-    "reward_model.micro_batch_size*": "the reward model scores in ppo_micro_batch_size_per_device micro-batches",
-    "reward_model.use_dynamic_bsz": "the reward model scores in ppo_micro_batch_size_per_device micro-batches",
+    "reward_model.micro_batch_size": "verl's global micro-batch: give trainer.n_gpus_per_node (and nnodes) to "
+                                     "divide it",
+    "reward_model.use_dynamic_bsz": "the reward model's micro-batch is a sequence count "
+                                    "(reward_model_micro_batch_size_per_device), not a token budget",
     R + "enable_chunked_prefill": "vLLM's scheduler defaults are used",
     R + "load_format": "vLLM gets the actor's weights in process after every update",
     R + "layered_summon": "LoRA weights are merged and sent layer by layer already",
@@ -461,6 +491,7 @@ class Translation:
     used: list          # (verl key, value, note): consumed with nothing (more) to set
     not_carried: list   # (verl key, value, reason)
     launch: str = ""    # the accelerate launch line that trainer.n_gpus_per_node / trainer.nnodes make
+    notes: list = dataclasses.field(default_factory=list)   # about the source (a launch script's reading)
 
 
 # verl keys whose value is a mapping (flattened on reading): gathered back into one before translating.
@@ -524,6 +555,9 @@ def translate(flat: dict) -> Translation:
         if key == "data.truncation" and flat.get("data.filter_overlong_prompts") is True:
             out.used.append((key, value, "moot: data.filter_overlong_prompts drops over-long prompts first"))
             continue
+        if key in TRAINED_RM_KEYS and value is not False and _trained_rm_moot(flat):
+            out.not_carried.append((key, value, _trained_rm_moot(flat)))
+            continue
         if key in PER_GPU:
             gpus = flat.get("trainer.n_gpus_per_node")
             nodes = flat.get("trainer.nnodes", 1)
@@ -576,10 +610,40 @@ def translate(flat: dict) -> Translation:
             continue
         out.carried[target] = (value, key, "")
     _launch(flat, out)
+    _older_kl_switches(flat, out)
     position = {key: i for i, key in enumerate(flat)}        # report in the order the user wrote them
     out.used.sort(key=lambda item: position[item[0]])
     out.not_carried.sort(key=lambda item: position[item[0]])
     return out
+
+
+# verl's early-2025 layout had no use_kl_loss / use_kl_in_reward: a coefficient over 1e-6 switched each on.
+OLDER_KL_SWITCHES = {A + "kl_loss.coef": (A + "use_kl_loss", "use_kl_loss"),
+                     "algorithm.in_reward_kl.coef": ("algorithm.use_kl_in_reward", "use_kl_in_reward")}
+
+
+def _older_kl_switches(flat: dict, out: Translation) -> None:
+    """The switch an older-layout KL coefficient implies, carried beside the coefficient (unless the
+    switch itself is given)."""
+    for key, (switch, target) in OLDER_KL_SWITCHES.items():
+        coef = out.carried.get(MAPPING[key])
+        if coef is not None and coef[1] == key and switch not in flat:
+            out.carried[target] = (coef[0] > 1e-6, key, "verl's older layout: on when the coefficient is over 1e-6")
+
+
+# verl's settings of the reward model's FSDP worker: here the trained-stack reward model's
+TRAINED_RM_KEYS = ("reward_model.micro_batch_size", "reward_model.micro_batch_size_per_gpu",
+                   "reward_model.model.fsdp_config.param_offload")
+
+
+def _trained_rm_moot(flat: dict) -> str:
+    """Why a setting of verl's reward-model worker does not act in this run ('' when it does)."""
+    if flat.get("reward_model.enable") is not True:
+        return "verl ignores it unless reward_model.enable=true"
+    if flat.get("reward_model.rollout.name") == "vllm":
+        return ("the reward model is served on vLLM (reward_model.rollout.name=vllm); this setting is the "
+                "trained stack's reward model's")
+    return ""
 
 
 def _carry(key: str, value, flat: dict, hints: dict):
@@ -634,6 +698,7 @@ def to_yaml(t: Translation, sources: str) -> str:
     order = [f.name for f in dataclasses.fields(config.Config)]
     lines = [f"# Translated from verl ({sources}) by scripts/verl_to_config.py.",
              "# Keys not written here take this toolkit's defaults (python train_ppo.py --help), not verl's."]
+    lines += [f"# Note: {note}" for note in t.notes]
     if t.launch:
         lines.append(f"# Launch: {t.launch}")
     for name in sorted(t.carried, key=order.index):
@@ -655,22 +720,54 @@ def report(t: Translation) -> str:
         lines += [f"  {key} = {_show(value)}  ({note})" for key, value, note in t.used]
     if t.launch:
         lines.append(f"launch with: {t.launch}")
+    lines += [f"note: {note}" for note in t.notes]
     lines.append(f"NOT carried ({len(t.not_carried)}):")
     lines += [f"  {key} = {_show(value)}  ({why})" for key, value, why in t.not_carried]
     return "\n".join(lines)
 
 
+def _is_script(arg: str) -> bool:
+    """A launch script, not an override: a .sh name or a file's path, with no = in it."""
+    return "=" not in arg and not arg.startswith(("~", "+")) and (arg.endswith(".sh") or Path(arg).is_file())
+
+
+def _unresolved_reason(names: list) -> str:
+    plain = all(re.fullmatch(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", name) for name in names)
+    return (f"{', '.join(names)}: not set in the script or the environment" if plain else
+            f"{', '.join(names)}: a command, positional argument or expansion the translator does not run")
+
+
+def translate_sources(yaml_files: list, script_path: str, overrides: list, env=None) -> Translation:
+    """The translation of verl's YAML files, a launch script's main_ppo overrides (variables from the
+    script and `env`, default os.environ) and further overrides, applied in that order."""
+    script = read_launch_script(script_path, dict(os.environ if env is None else env)) if script_path else None
+    flat = resolve(read_verl(yaml_files, (script.overrides if script else []) + list(overrides)))
+    t = translate(flat)
+    if script:
+        t.notes = [f"read the main_ppo command at line {script.line} of {script_path}"] + script.notes
+        t.not_carried += [(key, text.split("=", 1)[-1], _unresolved_reason(names)
+                           + ("; a later override sets the key" if key in flat else ""))
+                          for key, text, names in script.unresolved]
+    return t
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("overrides", nargs="*", help="verl overrides: key=value, +key=value, ~key")
+    parser.add_argument("overrides", nargs="*", help="a verl launch script (.sh), then verl overrides: key=value, "
+                                                     "+key=value, ~key")
     parser.add_argument("--verl_config", action="append", default=[], help="a verl ppo_trainer YAML (repeatable)")
     parser.add_argument("-o", "--out", default="", help="write the toolkit YAML here (default: stdout)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)   # the script, -o FILE, then overrides, in any order
     if not args.verl_config and not args.overrides:
-        parser.error("give --verl_config FILE and/or key=value overrides")
-    t = translate(resolve(read_verl(args.verl_config, args.overrides)))
-    sources = ", ".join(args.verl_config + ([f"{len(args.overrides)} overrides"] if args.overrides else []))
+        parser.error("give a launch script, --verl_config FILE and/or key=value overrides")
+    script_path = args.overrides.pop(0) if args.overrides and _is_script(args.overrides[0]) else ""
+    try:
+        t = translate_sources(args.verl_config, script_path, args.overrides)
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
+    sources = ", ".join(args.verl_config + [script_path] * bool(script_path)
+                        + ([f"{len(args.overrides)} overrides"] if args.overrides else []))
     text = to_yaml(t, sources)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -221,3 +221,17 @@ def test_warmup_as_a_ratio_of_the_run():
     plain = loading.make_optimizer(model, 1.0, config.Config(total_training_steps=10))[1]
     factors = [[s.lr_lambdas[0](i) for i in range(5)] for s in (ratio, steps, plain)]
     assert factors[0] == factors[1] and factors[0] != factors[2]
+
+
+def test_the_critic_warms_up_over_its_own_ratio():
+    """critic_lr_warmup_steps_ratio (verl's critic.optim.lr_warmup_steps_ratio) sets the critic's
+    schedule as prepare_models builds it; the actor keeps lr_warmup_steps_ratio."""
+    import torch
+    from accelerate import Accelerator
+
+    from distribution.prepare import prepare_models
+    cfg = config.Config(lr_warmup_steps_ratio=0.5, critic_lr_warmup_steps_ratio=0.2, total_training_steps=10)
+    out = prepare_models(Accelerator(cpu=True), False, cfg, torch.nn.Linear(2, 2), torch.nn.Linear(2, 1), None, None)
+    actor_sched, critic_sched = out[2], out[5]
+    assert actor_sched.lr_lambdas[0](1) == 1 / 5 and critic_sched.lr_lambdas[0](1) == 1 / 2
+    assert actor_sched.lr_lambdas[0](2) < 1 and critic_sched.lr_lambdas[0](2) == 1.0
