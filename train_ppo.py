@@ -333,9 +333,17 @@ class Stats:
 
 @contextmanager
 def timed(times: dict, name: str):
+    """The block's seconds into times[time/<name>_s] (added up), its peak memory into
+    times[perf/peak_rss_gb/<name>] (and perf/peak_cuda_gb/<name> on CUDA; the larger)."""
     start = time.perf_counter()
-    yield
+    with host_memory.PEAKS.phase(name, times):
+        yield
     times[f"time/{name}_s"] = times.get(f"time/{name}_s", 0.0) + time.perf_counter() - start
+
+
+def seconds(times: dict) -> dict:
+    """timed()'s phase seconds, without the memory peaks it records beside them."""
+    return {k: v for k, v in times.items() if k.startswith("time/")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -885,12 +893,14 @@ def train_step(run: Run, step: int) -> dict:
         metrics.update({**rollout_metrics(run, data, batch, drift, regenerated, temperature), **filtered})
         if run.peak_flops:
             metrics.update(model_flops_utilisation(run, batch, updates, dp))
-        metrics = reduce_metrics(accelerator, {**metrics, **times})
+        metrics = reduce_metrics(accelerator, {**metrics, **seconds(times)})
     # bypass mode: check_drift's first-step warning from the update's measure, which under a
     # top_p/top_k cut also holds the cut's -log kept probability (then no verdict)
     if cfg.rollout_bypass_mode and not sampling_cut(cfg):
         warn_fresh_mismatch(run, step, metrics.get("rollout/logprob_diff", float("nan")))
-    metrics.update(times)   # this rank's own clock, so the phases add up to its step
+    metrics.update(seconds(times))   # this rank's own clock, so the phases add up to its step
+    # the peak memory of each phase (the log phase's too, hence apart) and of the run: the largest of any rank
+    metrics.update(reduce_metrics(accelerator, host_memory.PEAKS.of_step(times), how="max"))
     metrics["time/step_s"] = time.perf_counter() - step_start
     metrics["time/sync_share"] = metrics["time/sync_s"] / metrics["time/step_s"]   # resharding's share of the step
     metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]

@@ -13,10 +13,14 @@ training) under linear scaling gives max(G / r, T / (1 - r)) + S, at best G + T 
 on the same devices the overlap pays only as far as the phases scale worse than linearly (decoding
 is memory-bound; a long tail holds every rank of a colocated step). Read it from a colocated run:
 an overlapped run's time/sync_s also holds the trainer's wait for the batch being generated.
+
+memory_report: the same run's peak memory per phase (perf/peak_rss_gb/<phase>, perf/peak_cuda_gb/<phase>),
+so a user sees which phase sets the peak before changing sizes.
 """
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -58,4 +62,32 @@ def report(metrics: Path) -> list[str]:
     lines.append(f"  with the rollout side on devices of its own; on the same devices the split that balances the "
                  f"sides gives {gen / (gen + train):.0%} of them to generation, and no speed-up where both phases "
                  f"scale linearly with devices")
+    return lines
+
+
+MEMORY_KINDS = {"perf/peak_rss_gb": "host RSS", "perf/peak_cuda_gb": "CUDA allocated"}
+PHASE_ORDER = ("setup", "wait_rollout", "gen", "score", "forward", "update", "sync", "log")
+
+
+def memory_report(metrics: Path) -> list[str]:
+    """The lines --dry_run prints: each phase's peak memory over a run's steps, and the run's (none if
+    the run logged no peaks)."""
+    peaks: dict[str, float] = {}
+    for line in metrics.read_text().splitlines():
+        for key, value in (json.loads(line) if line.strip() else {}).items():
+            if key.startswith(tuple(MEMORY_KINDS)) and math.isfinite(value):
+                peaks[key] = max(peaks.get(key, value), value)
+    kinds = [k for k in MEMORY_KINDS if k in peaks]
+    if not kinds:
+        return []
+    phases = {key.split("/")[2] for key in peaks if key.count("/") == 2}
+    phases = sorted(phases, key=lambda p: (PHASE_ORDER.index(p) if p in PHASE_ORDER else len(PHASE_ORDER), p))
+    cell = lambda key: f"{peaks[key]:>14.2f}" if key in peaks else f"{'-':>14}"   # noqa: E731
+    lines = [f"peak memory per phase of the last run ({metrics}), GB, the largest over its steps:",
+             f"  {'phase':<14}" + "".join(f"{MEMORY_KINDS[k]:>14}" for k in kinds)]
+    lines += [f"  {phase:<14}" + "".join(cell(f"{k}/{phase}") for k in kinds) for phase in phases]
+    lines.append(f"  {'whole run':<14}" + "".join(cell(k) for k in kinds))
+    top = max(phases, key=lambda p: peaks.get(f"{kinds[0]}/{p}", -math.inf), default=None)
+    if top is not None and f"{kinds[0]}/{top}" in peaks:
+        lines.append(f"  the {MEMORY_KINDS[kinds[0]]} peak is set in {top}")
     return lines
