@@ -468,7 +468,7 @@ class Run:
 def hf_engine(run: Run):
     """The hf engine on the actor (built on first use), to sample a step on-policy."""
     if run.hf is None:
-        run.hf = make_engine(run.cfg, run.accelerator.unwrap_model(run.actor), run.tokenizer,
+        run.hf = make_engine(run.cfg, _unwrap(run.actor), run.tokenizer,
                              [gathered_params(run.actor, run.ds), run.autocast], run.accelerator.num_processes,
                              run.accelerator.process_index, kind="hf")
     return run.hf
@@ -567,7 +567,7 @@ def start_engine(run: Run) -> None:
     cfg, accelerator, actor, ds = run.cfg, run.accelerator, run.actor, run.ds
     tokenizer, autocast = run.tokenizer, run.autocast
     world, rank = accelerator.num_processes, accelerator.process_index
-    run.engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, [gathered_params(actor, ds), autocast],
+    run.engine = make_engine(cfg, _unwrap(actor), tokenizer, [gathered_params(actor, ds), autocast],
                              world, rank)
     if cfg.rollout_engine == "vllm" and world > 1:
         # rollout_fallback_hf: all ranks fall back together, or the vLLM ranks would wait in the
@@ -577,7 +577,7 @@ def start_engine(run: Run) -> None:
             print(f"warning: rank {rank}: vLLM started here but not on every rank: all ranks generate with the hf "
                   "engine (rollout_fallback_hf)", file=sys.stderr, flush=True)
             run.engine.sleep()   # kept, not shut down: vLLM's teardown destroys the process group
-            run.parked, run.engine = run.engine, make_engine(cfg, accelerator.unwrap_model(actor), tokenizer,
+            run.parked, run.engine = run.engine, make_engine(cfg, _unwrap(actor), tokenizer,
                                                              [gathered_params(actor, ds), autocast], world, rank,
                                                              kind="hf")
     run.engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))   # e.g. a resumed actor
@@ -732,7 +732,7 @@ def forward_passes(run: Run, batch: dict, temperature: float) -> torch.Tensor | 
     if run.ref is not None:
         batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.ref)), batch, **passes)
     elif cfg.lora_rank and (cfg.use_kl_in_reward or cfg.use_kl_loss):
-        with accelerator.unwrap_model(run.actor).disable_adapter():   # the base model is the reference
+        with _unwrap(run.actor).disable_adapter():   # the base model is the reference
             batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.actor)), batch, **passes)
     if run.critic is not None:
         size, budget = run.oom.scaled("log_prob", critic_sched.micro_batch, critic_sched.max_tokens)
@@ -755,7 +755,7 @@ def warn_fresh_mismatch(run: Run, step: int, drift: float) -> None:
     """On the first step, where the engine's weights were just copied from the actor: a drift that
     only a sampler computing the model differently explains is named (rollout/engines.py)."""
     mismatch = step == run.first_step and fresh_mismatch_warning(
-        drift, run.engine.name, run.cfg.dtype, run.accelerator.unwrap_model(run.actor).config.model_type)
+        drift, run.engine.name, run.cfg.dtype, _unwrap(run.actor).config.model_type)
     if mismatch and run.accelerator.is_main_process:
         print(mismatch, file=sys.stderr, flush=True)
 
