@@ -70,24 +70,32 @@ PHASE_ORDER = ("setup", "wait_rollout", "gen", "score", "forward", "update", "sy
 
 
 def memory_report(metrics: Path) -> list[str]:
-    """The lines --dry_run prints: each phase's peak memory over a run's steps, and the run's (none if
-    the run logged no peaks)."""
-    peaks: dict[str, float] = {}
-    for line in metrics.read_text().splitlines():
-        for key, value in (json.loads(line) if line.strip() else {}).items():
-            if key.startswith(tuple(MEMORY_KINDS)) and math.isfinite(value):
-                peaks[key] = max(peaks.get(key, value), value)
-    kinds = [k for k in MEMORY_KINDS if k in peaks]
+    """The lines --dry_run prints: the peak memory of each phase in the step that set the run's peak
+    (the first to reach it: memory kept for reuse holds later steps at that level), what setup held,
+    and the run's peak; none if the run logged no peaks."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    kinds = [k for k in MEMORY_KINDS if any(k in r for r in records)]
     if not kinds:
         return []
-    phases = {key.split("/")[2] for key in peaks if key.count("/") == 2}
-    phases = sorted(phases, key=lambda p: (PHASE_ORDER.index(p) if p in PHASE_ORDER else len(PHASE_ORDER), p))
-    cell = lambda key: f"{peaks[key]:>14.2f}" if key in peaks else f"{'-':>14}"   # noqa: E731
-    lines = [f"peak memory per phase of the last run ({metrics}), GB, the largest over its steps:",
-             f"  {'phase':<14}" + "".join(f"{MEMORY_KINDS[k]:>14}" for k in kinds)]
-    lines += [f"  {phase:<14}" + "".join(cell(f"{k}/{phase}") for k in kinds) for phase in phases]
-    lines.append(f"  {'whole run':<14}" + "".join(cell(k) for k in kinds))
-    top = max(phases, key=lambda p: peaks.get(f"{kinds[0]}/{p}", -math.inf), default=None)
-    if top is not None and f"{kinds[0]}/{top}" in peaks:
-        lines.append(f"  the {MEMORY_KINDS[kinds[0]]} peak is set in {top}")
+
+    def phases(r: dict, kind: str) -> dict:   # phase -> GB, the figures the step has
+        return {key.split("/")[2]: v for key, v in r.items()
+                if key.startswith(kind + "/") and key.count("/") == 2 and math.isfinite(v)}
+
+    steps = [r for r in records if phases(r, kinds[0])]
+    top = max(steps, key=lambda r: max([v for p, v in phases(r, kinds[0]).items() if p != "setup"], default=-math.inf))
+    setup = next((r for r in steps if any(f"{k}/setup" in r for k in kinds)), {})
+    table = {k: {**{p: v for p, v in phases(setup, k).items() if p == "setup"},
+                 **{p: v for p, v in phases(top, k).items() if p != "setup"}} for k in kinds}
+    order = sorted(set().union(*table.values()), key=lambda p: (PHASE_ORDER.index(p) if p in PHASE_ORDER
+                                                                else len(PHASE_ORDER), p))
+    cell = lambda value: f"{value:>14.2f}" if value is not None else f"{'-':>14}"   # noqa: E731
+    lines = [f"peak memory per phase of the last run ({metrics}), GB, in step {top['step']}, the first to reach "
+             f"the run's peak:", f"  {'phase':<14}" + "".join(f"{MEMORY_KINDS[k]:>14}" for k in kinds)]
+    lines += [f"  {phase:<14}" + "".join(cell(table[k].get(phase)) for k in kinds) for phase in order]
+    lines.append(f"  {'whole run':<14}" + "".join(cell(max([r[k] for r in records if k in r], default=None))
+                                                   for k in kinds))
+    busiest = max((p for p in table[kinds[0]] if p != "setup"), key=table[kinds[0]].get, default=None)
+    if busiest is not None:
+        lines.append(f"  the {MEMORY_KINDS[kinds[0]]} peak is set in {busiest}")
     return lines
