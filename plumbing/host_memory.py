@@ -16,11 +16,7 @@ and 5 s of system time in a 3-step run.
   the heap is not trimmed: freed memory is reused, not faulted in again. W5 at 512, 3 steps, twice
   each, alternating: page faults 1.69M / 1.54M -> 0.37M /
   0.38M, system time 5.2 / 5.0 -> 2.4 / 2.2 s, wall time 79.8 / 77.7 -> 73.6 / 68.7 s, peak RSS
-  1.315 / 1.346 -> 1.352 / 1.358 GB. Blocks above 32 MiB come from the heap too (no block gets its
-  own mapping, M_MMAP_MAX 0): with a 32k vocabulary and hidden 256 the embedding is 32 MiB, so
-  its gradient and AdamW's two states (of each trained model) took six fresh mappings beside the
-  heap that generation and the forward passes had left free; from the heap they reuse it. W3,
-  2-3 steps: peak RSS 1.384 -> 1.360 GB (metrics identical).
+  1.315 / 1.346 -> 1.352 / 1.358 GB. Blocks above 32 MiB still get their own mapping and go back.
 - N > 0: blocks of N MiB and more get their own mapping and go back to the OS when freed (the
   threshold fixed): less resident memory, at the cost of those page faults. Measured on W3: peak
   RSS 1.52 -> 1.40 GB with 4 MiB, but iterations 10-15% slower (system time 6 -> 14 s per run);
@@ -39,15 +35,15 @@ and folded into the run's peak and into every phase open around it (nested phase
 peak_memory_gb() and scripts/bench.py read that. On CUDA the allocator's peak
 (torch.cuda.max_memory_allocated) is handled the same way with torch.cuda.reset_peak_memory_stats.
 """
-import ctypes
-import ctypes.util
 import os
 import sys
 from contextlib import contextmanager
+import ctypes
+import ctypes.util
 
 import torch
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4   # glibc's mallopt parameter numbers (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameter numbers (malloc.h)
 LARGEST_THRESHOLD_MB = 32                     # glibc's upper limit for M_MMAP_THRESHOLD on 64-bit hosts
 
 
@@ -64,8 +60,7 @@ def set_malloc(threshold_mb: float) -> bool:
         return False
     if threshold_mb > 0:
         return bool(mallopt(M_MMAP_THRESHOLD, int(threshold_mb * 2**20)))
-    return (bool(mallopt(M_MMAP_THRESHOLD, LARGEST_THRESHOLD_MB << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-            and bool(mallopt(M_MMAP_MAX, 0)))
+    return bool(mallopt(M_MMAP_THRESHOLD, LARGEST_THRESHOLD_MB << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 GB = 1e9   # the metrics' unit, as scripts/bench.py reports peak RSS
