@@ -333,9 +333,17 @@ class Stats:
 
 @contextmanager
 def timed(times: dict, name: str):
+    """The block's seconds into times[time/<name>_s] (added up), its peak memory into
+    times[perf/peak_rss_gb/<name>] (and perf/peak_cuda_gb/<name> on CUDA; the larger)."""
     start = time.perf_counter()
-    yield
+    with host_memory.PEAKS.phase(name, times):
+        yield
     times[f"time/{name}_s"] = times.get(f"time/{name}_s", 0.0) + time.perf_counter() - start
+
+
+def seconds(times: dict) -> dict:
+    """timed()'s phase seconds, without the memory peaks it records beside them."""
+    return {k: v for k, v in times.items() if k.startswith("time/")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,7 +474,7 @@ class Run:
 def hf_engine(run: Run):
     """The hf engine on the actor (built on first use), to sample a step on-policy."""
     if run.hf is None:
-        run.hf = make_engine(run.cfg, run.accelerator.unwrap_model(run.actor), run.tokenizer,
+        run.hf = make_engine(run.cfg, _unwrap(run.actor), run.tokenizer,
                              [gathered_params(run.actor, run.ds), run.autocast], run.accelerator.num_processes,
                              run.accelerator.process_index, kind="hf")
     return run.hf
@@ -569,7 +577,7 @@ def start_engine(run: Run) -> None:
     tokenizer, autocast = run.tokenizer, run.autocast
     world, rank = accelerator.num_processes, accelerator.process_index
     # the asynchronous modes sample on their rollout side: here the hf engine, for validation
-    run.engine = make_engine(cfg, accelerator.unwrap_model(actor), tokenizer, [gathered_params(actor, ds), autocast],
+    run.engine = make_engine(cfg, _unwrap(actor), tokenizer, [gathered_params(actor, ds), autocast],
                              world, rank, kind="hf" if cfg.rollout_mode != "colocated" else "")
     if cfg.rollout_engine == "vllm" and world > 1:
         # rollout_fallback_hf: all ranks fall back together, or the vLLM ranks would wait in the
@@ -579,7 +587,7 @@ def start_engine(run: Run) -> None:
             print(f"warning: rank {rank}: vLLM started here but not on every rank: all ranks generate with the hf "
                   "engine (rollout_fallback_hf)", file=sys.stderr, flush=True)
             run.engine.sleep()   # kept, not shut down: vLLM's teardown destroys the process group
-            run.parked, run.engine = run.engine, make_engine(cfg, accelerator.unwrap_model(actor), tokenizer,
+            run.parked, run.engine = run.engine, make_engine(cfg, _unwrap(actor), tokenizer,
                                                              [gathered_params(actor, ds), autocast], world, rank,
                                                              kind="hf")
     run.engine.load_weights(actor_weights(actor, ds, cfg.rollout_sync_bucket_mb))   # e.g. a resumed actor
@@ -733,7 +741,7 @@ def forward_passes(run: Run, batch: dict, temperature: float) -> torch.Tensor | 
     if run.ref is not None:
         batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.ref)), batch, **passes)
     elif cfg.lora_rank and (cfg.use_kl_in_reward or cfg.use_kl_loss):
-        with accelerator.unwrap_model(run.actor).disable_adapter():   # the base model is the reference
+        with _unwrap(run.actor).disable_adapter():   # the base model is the reference
             batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.actor)), batch, **passes)
     if run.critic is not None:
         size, budget = run.oom.scaled("log_prob", critic_sched.micro_batch, critic_sched.max_tokens)
@@ -756,7 +764,7 @@ def warn_fresh_mismatch(run: Run, step: int, drift: float) -> None:
     """On the first step, where the engine's weights were just copied from the actor: a drift that
     only a sampler computing the model differently explains is named (rollout/engines.py)."""
     mismatch = step == run.first_step and fresh_mismatch_warning(
-        drift, run.engine.name, run.cfg.dtype, run.accelerator.unwrap_model(run.actor).config.model_type)
+        drift, run.engine.name, run.cfg.dtype, _unwrap(run.actor).config.model_type)
     if mismatch and run.accelerator.is_main_process:
         print(mismatch, file=sys.stderr, flush=True)
 
@@ -896,12 +904,14 @@ def train_step(run: Run, step: int) -> dict:
         metrics.update({**rollout_metrics(run, data, batch, drift, regenerated, temperature), **filtered})
         if run.peak_flops:
             metrics.update(model_flops_utilisation(run, batch, updates, dp))
-        metrics = reduce_metrics(accelerator, {**metrics, **times})
+        metrics = reduce_metrics(accelerator, {**metrics, **seconds(times)})
     # bypass mode: check_drift's first-step warning from the update's measure, which under a
     # top_p/top_k cut also holds the cut's -log kept probability (then no verdict)
     if cfg.rollout_bypass_mode and not sampling_cut(cfg):
         warn_fresh_mismatch(run, step, metrics.get("rollout/logprob_diff", float("nan")))
-    metrics.update(times)   # this rank's own clock, so the phases add up to its step
+    metrics.update(seconds(times))   # this rank's own clock, so the phases add up to its step
+    # the peak memory of each phase (the log phase's too, hence apart) and of the run: the largest of any rank
+    metrics.update(reduce_metrics(accelerator, host_memory.PEAKS.of_step(times), how="max"))
     metrics["time/step_s"] = time.perf_counter() - step_start
     metrics["time/sync_share"] = metrics["time/sync_s"] / metrics["time/step_s"]   # resharding's share of the step
     metrics["perf/tokens_per_s"] = metrics.pop("perf/tokens") / metrics["time/step_s"]

@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -50,10 +51,10 @@ def gather_rows(accelerator, t):
     return rows.view(-1, sp, t.shape[0], *rows.shape[1:])[:, 0].reshape(-1, *rows.shape[1:])     # [dp * b, ...]
 
 
-def reduce_metrics(accelerator, metrics: dict) -> dict:
-    """Mean of each metric over the ranks where it is not NaN (NaN where it is on all), all in one
-    collective, after a 2-number one that checks every rank has the same keys: ranks reducing
-    different key lists would hang, or abort, or pair values with the wrong names."""
+def reduce_metrics(accelerator, metrics: dict, how: str = "mean") -> dict:
+    """Mean (how="max": the largest) of each metric over the ranks where it is not NaN (NaN where it
+    is on all), all in one collective, after a 2-number one that checks every rank has the same
+    keys: ranks reducing different key lists would hang, or abort, or pair values with the wrong names."""
     if accelerator.num_processes == 1:
         return metrics
     keys = sorted(metrics)
@@ -66,6 +67,9 @@ def reduce_metrics(accelerator, metrics: dict) -> dict:
         raise RuntimeError(f"ranks reduce different metric keys (a metric must not depend on a rank's data): {odd}")
     values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=accelerator.device)  # [n]
     seen = ~values.isnan()                                                                                   # [n]
+    if how == "max":
+        top = accelerator.reduce(torch.where(seen, values, -math.inf), reduction="max")                       # [n]
+        return dict(zip(keys, torch.where(top > -math.inf, top, math.nan).tolist()))
     sums = accelerator.reduce(torch.cat([torch.where(seen, values, 0.0), seen.double()]), reduction="sum")   # [2n]
     total, count = sums[:len(keys)], sums[len(keys):]
     return dict(zip(keys, torch.where(count > 0, total / count.clamp(min=1), float("nan")).tolist()))

@@ -238,7 +238,9 @@ def _forward(model, batch: dict, packed, **kwargs):
 
 
 def _unwrap(model):
-    """The Hugging Face model inside a DeepSpeed engine, a DDP wrapper or a PEFT model."""
+    """The Hugging Face model inside a DeepSpeed engine, a DDP wrapper or a PEFT model. (Accelerate's
+    unwrap_model imports DeepSpeed, when installed, to check for its engine: about 15 MB resident in
+    a run that never uses it.)"""
     while hasattr(model, "module"):
         model = model.module
     return model

@@ -28,6 +28,7 @@ import torch
 
 from config import Config
 from errors import UserError, first_line
+from forward.readouts import _unwrap
 from rollout.sync import actor_weights
 
 # what the guards advise changing (guards.py): none changes a tensor's shape or what a checkpoint
@@ -119,7 +120,7 @@ def save_checkpoint(accelerator, ds: bool, output_dir: str, keep: int, step: int
         if ds:   # each rank writes its own shards of the weights and optimizer state
             model.save_checkpoint(str(tmp / name), tag="state")
         elif accelerator.is_main_process:
-            torch.save({"model": accelerator.unwrap_model(model).state_dict(), "optim": optim.state_dict()},
+            torch.save({"model": _unwrap(model).state_dict(), "optim": optim.state_dict()},
                        tmp / f"{name}.pt")
     (tmp / f"rank_{accelerator.process_index}.json").write_text(json.dumps({"rng": _rng_state(), **rank_state}))
     accelerator.wait_for_everyone()
@@ -152,7 +153,7 @@ def load_checkpoint(accelerator, ds: bool, path: Path, state: dict, trained: dic
         else:
             saved = safe_load(path / f"{name}.pt", map_location=accelerator.device)
             try:
-                accelerator.unwrap_model(model).load_state_dict(saved["model"])
+                _unwrap(model).load_state_dict(saved["model"])
                 optim.load_state_dict(saved["optim"])
             except (KeyError, ValueError, RuntimeError) as e:   # another model's weights, or a foreign file
                 # load_state_dict's first line only says "Error(s) in loading state_dict": the next names one

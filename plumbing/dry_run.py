@@ -104,6 +104,6 @@ def dry_run(cfg: Config) -> bool:
     print(f"actor: {plan.actor.params / 1e6:.2f}M parameters ({plan.actor.trainable / 1e6:.2f}M trained), "
           f"vocabulary {plan.actor.vocab}")
     metrics = Path(cfg.output_dir) / "metrics.jsonl"
-    if metrics.is_file():   # the last run's phase times -> each rollout_mode's step time
-        print("\n".join(phase_model.report(metrics)))
+    if metrics.is_file():   # the last run's phase times -> each rollout_mode's step time; its peak memory per phase
+        print("\n".join(phase_model.report(metrics) + phase_model.memory_report(metrics)))
     return preflight.report(plan)

@@ -22,7 +22,22 @@ and 5 s of system time in a 3-step run.
   RSS 1.52 -> 1.40 GB with 4 MiB, but iterations 10-15% slower (system time 6 -> 14 s per run);
   a lever for a host short of memory (several ranks on one CPU machine).
 With another C library (musl, macOS, Windows) this does nothing.
+
+Peak memory per phase (perf/peak_rss_gb/<phase>, on CUDA also perf/peak_cuda_gb/<phase>):
+
+    with host_memory.PEAKS.phase("gen", into=times): ...   # train_ppo.py's timed() does this
+    host_memory.PEAKS.run_peaks()   # the run's peak so far, every phase and the time between them
+
+A phase's host peak needs the process's high-water mark (VmHWM) reset at its start, which Linux
+does through /proc/self/clear_refs ("5"). That mark is also what getrusage's ru_maxrss and wait4
+report, so after a reset they no longer hold the run's peak: before each reset the mark is read
+and folded into the run's peak and into every phase open around it (nested phases stay right), and
+peak_memory_gb() and scripts/bench.py read that. On CUDA the allocator's peak
+(torch.cuda.max_memory_allocated) is handled the same way with torch.cuda.reset_peak_memory_stats.
 """
+import os
+import sys
+from contextlib import contextmanager
 import ctypes
 import ctypes.util
 
@@ -48,9 +63,106 @@ def set_malloc(threshold_mb: float) -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, LARGEST_THRESHOLD_MB << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
-def peak_memory_gb() -> float:
-    """Peak GPU memory allocated by torch on this rank, or without a GPU the process's peak RSS."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
+GB = 1e9   # the metrics' unit, as scripts/bench.py reports peak RSS
+
+
+def _host_peak() -> float:
+    """The process's resident high-water mark in bytes: VmHWM on Linux, else getrusage's ru_maxrss."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
+    # ru_maxrss: KiB on Linux, bytes on macOS
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def _reset_host_peak() -> bool:
+    """VmHWM back to the current resident size (Linux 4.0+) -> whether it was."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _cuda_peak() -> float:
+    return float(torch.cuda.max_memory_allocated()) if torch.cuda.is_initialized() else 0.0
+
+
+def _reset_cuda_peak() -> bool:
+    if torch.cuda.is_initialized():   # resetting before CUDA's first use would initialise it
+        torch.cuda.reset_peak_memory_stats()
+    return True
+
+
+class PhasePeaks:
+    """Each phase's peak memory, and the run's; one per process (PEAKS), as the marks it resets are."""
+
+    def __init__(self):
+        self.meters = {"perf/peak_rss_gb": (_host_peak, _reset_host_peak)}
+        if torch.cuda.is_available():
+            self.meters["perf/peak_cuda_gb"] = (_cuda_peak, _reset_cuda_peak)
+        self.run = dict.fromkeys(self.meters, 0.0)    # bytes, the run's peak up to the last reset
+        # whether each mark can be reset (no per-phase figure where it cannot)
+        self.resets = {key: key != "perf/peak_rss_gb" or os.access("/proc/self/clear_refs", os.W_OK)
+                       for key in self.meters}
+        self.open: list[dict] = []                    # the phases running now, innermost last: key -> bytes
+        self.before_phases: dict | None = None        # the run's peak before its first phase (setup)
+        self.setup_logged = False
+
+    def _fold(self) -> None:
+        """Each mark since its last reset -> the run's peak and every open phase's; then reset it."""
+        for key, (read, reset) in self.meters.items():
+            peak = read()
+            self.run[key] = max(self.run[key], peak)
+            for window in self.open:
+                window[key] = max(window.get(key, 0.0), peak)
+            if self.resets[key]:
+                self.resets[key] = reset()
+
+    @contextmanager
+    def phase(self, name: str, into: dict):
+        """into[f"{key}/{name}"]: the peak while the block ran, in GB (the larger one if the phase ran
+        before in this step); NaN where the mark cannot be reset (no per-phase figure then)."""
+        self._fold()
+        if self.before_phases is None:
+            self.before_phases = dict(self.run)
+        window: dict = {}
+        self.open.append(window)
+        try:
+            yield
+        finally:
+            self._fold()
+            self.open.pop()   # phases nest: this one is the innermost
+            for key in self.meters:
+                value = window.get(key, 0.0) / GB if self.resets[key] else float("nan")
+                into[f"{key}/{name}"] = max(into.get(f"{key}/{name}", value), value)
+
+    def run_peaks(self) -> dict:
+        """key -> the run's peak so far in GB, up to now."""
+        return {key: max(self.run[key], read()) / GB for key, (read, _) in self.meters.items()}
+
+    def of_step(self, times: dict) -> dict:
+        """A step's figures: each phase's peak (phase() wrote them into times), the run's so far and, on
+        this process's first step, what it held at most before its first phase (<key>/setup)."""
+        out = {k: v for k, v in times.items() if k.startswith(tuple(self.meters))}
+        out.update(self.run_peaks())
+        if not self.setup_logged and self.before_phases is not None:
+            out.update({f"{key}/setup": peak / GB for key, peak in self.before_phases.items()})
+            self.setup_logged = True
+        return out
+
+
+PEAKS = PhasePeaks()
+
+
+def peak_memory_gb() -> float:
+    """Peak GPU memory allocated by torch on this rank, or without a GPU the process's peak RSS, in GiB,
+    over the whole run (PEAKS keeps it across the per-phase resets)."""
+    key = "perf/peak_cuda_gb" if torch.cuda.is_available() else "perf/peak_rss_gb"
+    return PEAKS.run_peaks()[key] * GB / 2**30

@@ -28,10 +28,13 @@ What it does, in order:
   4. per workload, alternates `--repeats` times (repeat k with seed k - 1 on both sides): ours
      (train_ppo.py --config configs/<w>.yaml), then the peer (scripts/bench_trl_peer.py, reading the
      config.yaml ours wrote, so both run the same values), each as its own process, one at a time; the
-     peak RSS of each is its rusage from wait4;
+     peak RSS of each is its rusage from wait4, for ours the larger of that and the run's perf/peak_rss_gb
+     (train_ppo.py resets the process's high-water mark at each phase to measure the phase's peak, so
+     wait4 sees only the peak since the last reset; the run folds each mark into perf/peak_rss_gb first);
   5. prints per side: the median iteration time over iterations 2..N (pooled over repeats; with several
      repeats also each repeat's own, the machine's drift between them shows), the median of each phase,
-     the peak RSS (median over repeats) and the import baseline, then ours/peer ratios; also the mean
+     the peak RSS (median over repeats) and the import baseline, then ours/peer ratios, and ours' peak
+     RSS per phase (perf/peak_rss_gb/<phase>, the largest over a run's steps, median over repeats); also the mean
      reward and the last iteration's per-token KL of each side, and a warning when other processes used
      the CPU during a run (measured from /proc/stat: such timings are meaningless); for W5 also the mean
      response length of each side and the growth table;
@@ -188,11 +191,25 @@ def run_ours(name: str, workload: str, overrides: list[str], rep: int, iteration
            f"--run_name={name}_ours_{rep}", f"--peak_tflops={peak_tflops}", f"--seed={rep - 1}"]
     result = run_measured(cmd, out / name / f"ours_{rep}.log", env)
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time/step_s" in r]
+    result["peak_rss_gb"], result["phase_peak_rss_gb"] = run_peak_rss(result["peak_rss_gb"], rows)
     result["iterations"] = [{k: v for k, v in r.items() if k.startswith(("time/", "perf/mfu")) or k in
                              ("step", "reward/score_mean", "kl/mean", "rollout/response_len_mean",
                               "rollout/truncated_frac")} for r in rows]
     result["config"] = str(run_dir / "config.yaml")
     return result
+
+
+def run_peak_rss(wait4_gb: float, rows: list[dict]) -> tuple[float, dict]:
+    """Ours' peak RSS: the larger of wait4's (the peak since train_ppo.py's last reset of the high-water
+    mark, at its last phase) and the largest perf/peak_rss_gb it logged (every mark before that reset),
+    and each phase's peak (perf/peak_rss_gb/<phase>, the largest over the steps)."""
+    phases: dict = {}
+    for r in rows:
+        for key, value in r.items():
+            if key.startswith("perf/peak_rss_gb/") and value == value:   # not NaN
+                phase = key.rsplit("/", 1)[1]
+                phases[phase] = max(phases.get(phase, value), value)
+    return max([wait4_gb] + [r["perf/peak_rss_gb"] for r in rows if "perf/peak_rss_gb" in r]), phases
 
 
 def run_peer(name: str, rep: int, iterations: int, out: Path, python: str, config: str, env: dict) -> dict:
@@ -223,6 +240,9 @@ def summarize(runs: list[dict], phases: tuple, baseline: float) -> dict:
                                               for it in r["iterations"]])
     summary["kl_last"] = median([r["iterations"][-1].get("kl/mean", float("nan")) for r in runs if r["iterations"]])
     summary["peak_above_import_gb"] = summary["peak_rss_gb"] - baseline
+    per_run = [r.get("phase_peak_rss_gb", {}) for r in runs]   # ours only
+    summary["phase_peak_rss_gb"] = {p: median([peaks[p] for peaks in per_run if p in peaks])
+                                    for p in dict.fromkeys(p for peaks in per_run for p in peaks)}
     summary["phase_sum_s"] = median([sum(it.get(f"time/{p}_s", 0.0) for p in phases) for it in later])
     summary["mfu"] = {k: median([it[k] for it in later if k in it]) for k in MFU_KEYS if any(k in it for it in later)}
     # tokens per response, mean over the timed iterations (2..N) and over all of them
@@ -260,6 +280,8 @@ def report(name: str, ours: dict, peer: dict, fixed_length: bool = True) -> None
     row("peak RSS (median of runs)", ours["peak_rss_gb"], peer["peak_rss_gb"], "GB")
     row("import baseline RSS", ours["import_rss_gb"], peer["import_rss_gb"], "GB")
     row("peak RSS above imports", ours["peak_above_import_gb"], peer["peak_above_import_gb"], "GB")
+    for phase, gb in ours["phase_peak_rss_gb"].items():   # which phase sets ours' peak
+        row(f"  peak RSS in {phase} (ours)", gb, None, "GB")
     row("process wall time (median)", ours["wall_s"], peer["wall_s"], "s", "{:.1f}")
     print(f"  {'reward, mean of iterations':<30} {ours['score_mean']:>9.4f} {peer['score_mean']:>9.4f}")
     print(f"  {'KL per token, last iteration':<30} {ours['kl_last']:>9.4f} {peer['kl_last']:>9.4f}")

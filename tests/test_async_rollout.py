@@ -225,13 +225,23 @@ def test_dry_run_predicts_each_mode_from_the_last_runs_metrics(tmp_path):
     out.mkdir()
     (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
         {"step": 0, "val/accuracy": 0.1},
-        {"step": 1, "time/step_s": 10.0, "time/gen_s": 5.0, "time/sync_s": 0.0},
-        {"step": 2, "time/step_s": 10.0, "time/gen_s": 5.0, "time/sync_s": 0.0}]) + "\n")
+        {"step": 1, "time/step_s": 10.0, "time/gen_s": 5.0, "time/sync_s": 0.0, "perf/peak_rss_gb/setup": 0.9,
+         "perf/peak_rss_gb/gen": 1.0, "perf/peak_rss_gb/update": 1.25, "perf/peak_rss_gb": 1.25},
+        {"step": 2, "time/step_s": 10.0, "time/gen_s": 5.0, "time/sync_s": 0.0, "perf/peak_rss_gb/gen": 1.3,
+         "perf/peak_rss_gb/update": 1.5, "perf/peak_rss_gb/sync": float("nan"), "perf/peak_rss_gb": 1.5},
+        {"step": 3, "time/step_s": 10.0, "time/gen_s": 5.0, "time/sync_s": 0.0, "perf/peak_rss_gb/gen": 1.5,
+         "perf/peak_rss_gb/update": 1.5, "perf/peak_rss_gb/sync": 1.5, "perf/peak_rss_gb": 1.5}]) + "\n")
     proc = forkserver.run([sys.executable, str(SCRIPT), "--dry_run", f"--output_dir={out}"], cwd=tmp_path,
                           env=env_for(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "generation 5.00 s, training 5.00 s, sync 0.00 s per step" in proc.stdout
     assert "one_step_off                    5.00 s/step  (2.00x colocated)" in proc.stdout
+    # the peak memory per phase in step 2, the first to reach the run's peak (a NaN: no figure)
+    assert "GB, in step 2, the first to reach the run's peak" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert [["setup", "0.90"], ["gen", "1.30"], ["update", "1.50"], ["whole", "run", "1.50"]] == [
+        r for r in rows if r[:1] in (["setup"], ["gen"], ["update"], ["sync"], ["whole"])], proc.stdout
+    assert "the host RSS peak is set in update" in proc.stdout
 
 
 def launch(tmp, name, processes, *extra, steps=2):

@@ -66,3 +66,101 @@ def test_zero_keeps_freed_blocks_for_reuse():
     first, *later = map(int, faults)
     assert took == "True"
     assert first > 30_000 and sum(later) < first, faults   # mostly reused (0-14k seen); each round fresh: 2x first
+
+
+PHASES = """
+import json, resource, torch
+from plumbing import host_memory
+peaks, times = host_memory.PEAKS, {}
+def hold(mib):   # written, so resident; freed at return (its own mapping: it leaves the process)
+    block = torch.ones(mib << 18)
+    return float(block[-1])
+with peaks.phase("outer", times):
+    with peaks.phase("big", times):
+        hold(256)
+    with peaks.phase("small", times):
+        hold(16)
+with peaks.phase("small", times):   # the same phase again: the larger of the two
+    hold(64)
+after_reset = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+print(json.dumps({**peaks.of_step(times), "ru_maxrss": after_reset, "peak_memory_gib": host_memory.peak_memory_gb(),
+                  "now": host_memory._host_peak() / 1e9}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's resettable high-water mark")
+def test_each_phase_gets_its_own_peak_and_the_run_keeps_the_largest():
+    """A 256 MiB block in one phase, 16 and 64 MiB ones in another: each phase reports its own peak
+    (the mark is reset between them), a phase around both reports the larger, and the run's peak
+    (perf/peak_rss_gb, peak_memory_gb) keeps the 256 MiB one that getrusage no longer sees."""
+    import json
+    proc = subprocess.run([sys.executable, "-c", PHASES], cwd=ROOT, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    big, small, outer = (got[f"perf/peak_rss_gb/{p}"] for p in ("big", "small", "outer"))
+    setup = got["perf/peak_rss_gb/setup"]   # what the process held before its first phase
+    assert big - setup > 0.25, got                   # 256 MiB = 0.268 GB over the start
+    assert 0.05 < small - setup < 0.1, got           # the 64 MiB phase, not the 256 MiB one before it
+    assert outer == big, got
+    assert got["perf/peak_rss_gb"] >= big and got["peak_memory_gib"] * 2**30 / 1e9 >= big, got
+    assert got["ru_maxrss"] < big - 0.15, got        # why the run keeps its own: the reset hid the peak
+
+
+def test_bench_takes_the_larger_of_wait4_and_the_logged_run_peak():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    rows = [{"perf/peak_rss_gb": 1.4, "perf/peak_rss_gb/gen": 1.0, "perf/peak_rss_gb/update": 1.4},
+            {"perf/peak_rss_gb": 1.5, "perf/peak_rss_gb/gen": 1.1, "perf/peak_rss_gb/update": float("nan")}]
+    assert bench.run_peak_rss(0.9, rows) == (1.5, {"gen": 1.1, "update": 1.4})
+    assert bench.run_peak_rss(1.6, rows)[0] == 1.6   # the tail after the last reset set the peak
+
+
+RANKS = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+from config import Config
+from distribution.prepare import make_accelerator
+from distribution.reductions import reduce_metrics
+from plumbing import host_memory
+acc, _ = make_accelerator(Config())   # as train_ppo.py makes it
+times = {{}}
+with host_memory.PEAKS.phase("gen", times):
+    if acc.process_index == 0:   # only rank 0 holds 256 MiB more in this phase
+        block = torch.ones(256 << 18)
+        del block
+with host_memory.PEAKS.phase("update", times):
+    pass
+mine = host_memory.PEAKS.of_step(times)
+reduced = reduce_metrics(acc, mine, how="max")
+print("RANK " + json.dumps({{"rank": acc.process_index, "mine": mine, "reduced": reduced}}), flush=True)
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's resettable high-water mark")
+def test_every_rank_logs_the_largest_peak_of_any_rank(tmp_path):
+    """2 processes launched as the trainer is (ZeRO-3 config, gloo): rank 0 alone holds 256 MiB
+    more in one phase; after the step's reduction both ranks log rank 0's peak for it, the same keys."""
+    import json
+    import re
+
+    import forkserver
+    from ports import free_port
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS.format(root=str(ROOT)))
+    proc = forkserver.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(ROOT / "accelerate_configs" / "zero3.yaml"), f"--main_process_port={free_port()}",
+                           str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    found = [json.loads(m) for m in re.findall(r"RANK (\{.*?\}\})\s*(?=RANK|$)", proc.stdout, re.S)]
+    assert sorted(r["rank"] for r in found) == [0, 1], proc.stdout + proc.stderr[-3000:]
+    ranks = {r["rank"]: r for r in found}
+    gen = "perf/peak_rss_gb/gen"
+    assert ranks[0]["mine"][gen] - ranks[1]["mine"][gen] > 0.2, ranks   # rank 0's phase held the block
+    assert ranks[0]["reduced"] == ranks[1]["reduced"], ranks
+    assert ranks[1]["reduced"][gen] == ranks[0]["mine"][gen]
+    assert set(ranks[0]["reduced"]) >= {gen, "perf/peak_rss_gb/update", "perf/peak_rss_gb", "perf/peak_rss_gb/setup"}

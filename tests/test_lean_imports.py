@@ -1,5 +1,5 @@
-"""lean_imports.skip_unused keeps scikit-learn (and, without CUDA, Triton) out of a fresh process
-that imports what a run imports, and generation, masks and vLLM's import still work without them."""
+"""lean_imports.skip_unused keeps scikit-learn, scipy.optimize (and, without CUDA, Triton) out of a
+fresh process that imports what a run imports, and generation, masks and vLLM's import still work without them."""
 import subprocess
 import sys
 import textwrap
@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_run_process_imports_neither_sklearn_nor_triton_and_still_generates():
+def test_a_run_process_imports_neither_sklearn_scipy_optimize_nor_triton_and_still_generates():
     code = textwrap.dedent("""
         import importlib.util, sys
         from plumbing import lean_imports
@@ -26,6 +26,7 @@ def test_a_run_process_imports_neither_sklearn_nor_triton_and_still_generates():
             assert sys.modules.get("triton", "absent") is None, "triton imported"
             assert importlib.util.find_spec("triton") is None   # what torch, Transformers and vLLM check
             import vllm   # vLLM's CPU build imports without Triton
+        assert "scipy.optimize" not in sys.modules, "scipy.optimize imported"   # nor by vLLM's import
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
