@@ -25,7 +25,7 @@ import torch
 
 from config import Config
 from errors import UserError, first_line
-from rewards.scoring import load_function
+from rewards.functions import load_function
 
 BUILT_IN = ("prompt", "response")   # what the template always gets; any other name is a dataset column
 

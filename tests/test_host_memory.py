@@ -69,7 +69,7 @@ def test_zero_keeps_freed_blocks_for_reuse():
 
 
 PHASES = """
-import json, resource, torch
+import json, torch
 from plumbing import host_memory
 peaks, times = host_memory.PEAKS, {}
 def hold(mib):   # written, so resident; freed at return (its own mapping: it leaves the process)
@@ -82,8 +82,7 @@ with peaks.phase("outer", times):
         hold(16)
 with peaks.phase("small", times):   # the same phase again: the larger of the two
     hold(64)
-after_reset = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
-print(json.dumps({**peaks.of_step(times), "ru_maxrss": after_reset, "peak_memory_gib": host_memory.peak_memory_gb(),
+print(json.dumps({**peaks.of_step(times), "peak_memory_gib": host_memory.peak_memory_gb(),
                   "now": host_memory._host_peak() / 1e9}))
 """
 
@@ -104,7 +103,9 @@ def test_each_phase_gets_its_own_peak_and_the_run_keeps_the_largest():
     assert 0.05 < small - setup < 0.1, got           # the 64 MiB phase, not the 256 MiB one before it
     assert outer == big, got
     assert got["perf/peak_rss_gb"] >= big and got["peak_memory_gib"] * 2**30 / 1e9 >= big, got
-    assert got["ru_maxrss"] < big - 0.15, got        # why the run keeps its own: the reset hid the peak
+    # why the run keeps its own: the reset hid the peak from the mark (which getrusage reads too; its
+    # ru_maxrss also keeps the launching process's mark from the exec, here a pytest worker's)
+    assert got["now"] < big - 0.15, got
 
 
 def test_bench_takes_the_larger_of_wait4_and_the_logged_run_peak():
