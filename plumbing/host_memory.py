@@ -113,7 +113,6 @@ class PhasePeaks:
                        for key in self.meters}
         self.open: list[dict] = []                    # the phases running now, innermost last: key -> bytes
         self.before_phases: dict | None = None        # the run's peak before its first phase (setup)
-        self.setup_logged = False
 
     def _fold(self) -> None:
         """Each mark since its last reset -> the run's peak and every open phase's; then reset it."""
@@ -148,13 +147,13 @@ class PhasePeaks:
         return {key: max(self.run[key], read()) / GB for key, (read, _) in self.meters.items()}
 
     def of_step(self, times: dict) -> dict:
-        """A step's figures: each phase's peak (phase() wrote them into times), the run's so far and, on
-        this process's first step, what it held at most before its first phase (<key>/setup)."""
+        """A step's figures: each phase's peak (phase() wrote them into times), the run's so far and what
+        the process held at most before its first phase (<key>/setup: the same every step, so that every
+        step logs the same keys)."""
         out = {k: v for k, v in times.items() if k.startswith(tuple(self.meters))}
         out.update(self.run_peaks())
-        if not self.setup_logged and self.before_phases is not None:
+        if self.before_phases is not None:
             out.update({f"{key}/setup": peak / GB for key, peak in self.before_phases.items()})
-            self.setup_logged = True
         return out
 
 
