@@ -50,21 +50,8 @@ class VLLMEngine:
         ranks one seed), and each keeps its own rows."""
         # In-process engine: load_weights reaches the model runner directly, and a weight
         # iterator can be consumed lazily (nothing is pickled to another process).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self._on_cpu, engine_args = _in_process(kv_cache_gb, gpu_memory_utilization, enable_sleep_mode, distributed)
         from vllm import LLM
-        from vllm.platforms import current_platform
-
-        self._on_cpu = current_platform.is_cpu()
-        engine_args = {}
-        if self._on_cpu:
-            # vLLM's own engine argument (takes fractions); its legacy env variable would override it
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-            engine_args["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
-        else:
-            engine_args["gpu_memory_utilization"] = gpu_memory_utilization
-            engine_args["enable_sleep_mode"] = enable_sleep_mode
-        if distributed:
-            engine_args["distributed_executor_backend"] = "external_launcher"
         for key, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if value is not None:
                 engine_args[key] = value
@@ -243,6 +230,25 @@ class VLLMEngine:
                                f"sent: {'; '.join(missing)}")
 
 
+def _in_process(kv_cache_gb: float, gpu_memory_utilization: float, enable_sleep_mode: bool,
+                distributed: bool) -> tuple[bool, dict]:
+    """(on CPU, the engine arguments of its memory and placement) for an engine in this process:
+    on CPU a KV cache of kv_cache_gb, on GPU a share of its memory (and sleep mode); one engine per
+    process of an accelerate/torchrun launch when distributed."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm.platforms import current_platform
+    on_cpu = current_platform.is_cpu()
+    if on_cpu:
+        # vLLM's own engine argument (takes fractions); its legacy env variable would override it
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        args = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+    else:
+        args = {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": enable_sleep_mode}
+    if distributed:
+        args["distributed_executor_backend"] = "external_launcher"
+    return on_cpu, args
+
+
 def first_seed(seed: int) -> int:
     """An engine's first per-request seed: torch's CPU generator keeps only 32 bits of a seed, so
     engines seeded seed+rank get disjoint ranges of 2**24 requests each inside 32 bits."""
@@ -276,17 +282,8 @@ class VLLMClassifier:
 
     def __init__(self, model_path: str, *, dtype: str = "fp32", max_model_len: int = 2048,
                  gpu_memory_utilization: float = 0.2, kv_cache_gb: float = 0.5, distributed: bool = False):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        _, engine_args = _in_process(kv_cache_gb, gpu_memory_utilization, True, distributed)
         from vllm import LLM
-        from vllm.platforms import current_platform
-
-        on_cpu = current_platform.is_cpu()
-        engine_args = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if on_cpu else \
-            {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True}
-        if on_cpu:
-            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        if distributed:
-            engine_args["distributed_executor_backend"] = "external_launcher"
         try:
             with _process_state_kept():
                 self._llm = LLM(model=str(model_path), runner="pooling",
