@@ -227,21 +227,18 @@ class WandbRun:
             return None
 
     def log(self, step: int, metrics: dict) -> None:
-        if step >= self.next_step:
-            self._call(lambda: self.run.log(metrics, step=step))
-            self.next_step = step
+        self._log(step, lambda: metrics)
 
     def log_samples(self, step: int, rows: dict) -> None:
-        if step >= self.next_step:
-            table = lambda: self.wandb.Table(columns=list(rows), data=[list(r) for r in zip(*rows.values())])
-            self._call(lambda: self.run.log({"val/samples": table()}, step=step))
-            self.next_step = step
+        self._log(step, lambda: {"val/samples": self.wandb.Table(columns=list(rows),
+                                                                  data=[list(r) for r in zip(*rows.values())])})
 
-    def _call(self, call) -> None:
-        if self.run is None:
+    def _log(self, step: int, values) -> None:
+        if self.run is None or step < self.next_step:
             return
         try:
-            call()
+            self.run.log(values(), step=step)
+            self.next_step = step
         except Exception as e:
             _warn_wandb("stopped taking steps", e)
             self.run = None
@@ -251,7 +248,13 @@ class WandbRun:
         run = self.run
         if run is None:
             return
-        ended = threading.Thread(target=lambda: self._call(lambda: run.finish(exit_code=0 if ok else 1)), daemon=True)
+
+        def end():
+            try:
+                run.finish(exit_code=0 if ok else 1)
+            except Exception as e:
+                _warn_wandb("did not end its run", e)
+        ended = threading.Thread(target=end, daemon=True)
         ended.start()
         ended.join(timeout)
         if ended.is_alive():

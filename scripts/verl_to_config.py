@@ -333,7 +333,6 @@ HINTS = {
                                        "process (the python tool has its own sandbox, tool_sandbox)",
     "defaults": "Hydra bookkeeping: the files it names are not read; pass them with --verl_config",
     "hydra.*": "Hydra bookkeeping, not a setting",
-    "trainer.logger": "the toolkit always writes metrics.jsonl and an MLflow run",
     "*fsdp_config.*": "sharding and offload come from the accelerate config (accelerate_configs/, ds_configs/)",
     "*.lr_warmup_steps_ratio": "set lr_warmup_steps = ratio x total_training_steps",
     "*ppo_micro_batch_size": "verl's global micro-batch: give trainer.n_gpus_per_node (and nnodes) to divide it",
@@ -612,9 +611,13 @@ def translate(flat: dict) -> Translation:
     return out
 
 
+# verl's trainer.logger list (the docs' table says this)
+LOGGER_NOTE = ("true when the list holds wandb; console and mlflow are always on; any other logger (tensorboard, "
+               "swanlab, clearml, ...) is not carried, by name")
+
+
 def _loggers(key: str, value, out: Translation) -> None:
-    """verl's trainer.logger list: wandb -> wandb=true; console and mlflow are always on here; any
-    other logger (tensorboard, swanlab, clearml, ...) is not carried, by name."""
+    """trainer.logger -> wandb, as LOGGER_NOTE says."""
     names = value if isinstance(value, list) else [value]
     extra = [str(x) for x in names if x not in ("console", "mlflow", "wandb")]
     if "wandb" in names:
