@@ -1,6 +1,7 @@
 """Tracking: metrics.jsonl (the output contract), MLflow (asynchronous, one call per step),
-curves.png and, when asked, a Weights & Biases run. train_ppo.py calls `Tracker(...)` once and then `log`, `log_samples`, `log_curves`,
-`rewind` and `finish`; everything here takes plain values, never the script's config.
+curves.png and, when asked, a Weights & Biases run. train_ppo.py calls `Tracker(...)` once and
+then `log`, `log_samples`, `log_curves`, `rewind` and `finish`; everything here takes plain
+values, never the script's config.
 
 metrics.jsonl is the record: it is written and flushed before anything is sent to MLflow, and a
 tracking server that is slow or down never stalls training (the sender retries in the
