@@ -174,9 +174,12 @@ class Config:
                                                 "model registry, its model card as the description (needs "
                                                 "mlflow_log_model); '' = not registered")
     mlflow_close_timeout_s: float = opt(60.0, "at the end of a run, how long to wait for an unreachable tracking "
-                                              "server to take the steps not sent yet (they are in metrics.jsonl "
-                                              "either way)")
-    log_samples: int = opt(16, "validation generations logged to MLflow as a table, per validation")
+                                              "server (MLflow's, and W&B's with wandb) to take the steps not sent "
+                                              "yet (they are in metrics.jsonl either way)")
+    wandb: bool = opt(False, "also log each step's metrics, the config and the validation samples to a Weights & "
+                             "Biases run (project mlflow_experiment, name run_name, files under output_dir; "
+                             "$WANDB_MODE=offline without network); MLflow stays on")
+    log_samples: int = opt(16, "validation generations logged to MLflow (and W&B) as a table, per validation")
     peak_tflops: float = opt(0.0, "the device's dense peak TFLOPS at the run's precision, for perf/mfu; 0 = known "
                                   "GPUs by name (flops.py), none on other devices (CPUs): no perf/mfu")
     # rollout

@@ -564,7 +564,7 @@ def setup(cfg: Config) -> Run:
                           experiment=cfg.mlflow_experiment, run_name=cfg.run_name, params=dataclasses.asdict(cfg),
                           tags=tags, system_metrics=cfg.mlflow_system_metrics, resumed=resumed,
                           log_model=cfg.mlflow_log_model, registered_model_name=cfg.mlflow_registered_model_name,
-                          close_timeout_s=cfg.mlflow_close_timeout_s,
+                          close_timeout_s=cfg.mlflow_close_timeout_s, wandb=cfg.wandb,
                           datasets={"training": _split_files(cfg.train_files), "validation": _split_files(cfg.val_files),
                                     "sft": _split_files(cfg.sft_files)})
     return run
@@ -964,7 +964,7 @@ def checkpoint(run: Run, step: int) -> None:
         "config": dataclasses.asdict(cfg), "kl_ctrl": run.kl_ctrl.state_dict(),
         "data": {"epoch": run.stream.epoch, "pos": run.stream.pos},
         "sft_data": {"epoch": run.sft.rows.epoch, "pos": run.sft.rows.pos} if run.sft else None,
-        "mlflow_run_id": tracker.run_id, "rollbacks": guards.rollbacks,
+        "mlflow_run_id": tracker.run_id, "wandb_run_id": tracker.wandb_run_id, "rollbacks": guards.rollbacks,
         "entropy_reaction": guards.entropy_reaction, "guards": guards.state_dict(), "oom": run.oom.state_dict()},
         {"engine": run.engine.state_dict(), "in_flight": run.rollouts.state_dict() if run.rollouts else None})
     if accelerator.is_main_process:   # what the checkpoint holds and how it came about, for whoever finds it

@@ -45,7 +45,7 @@ GUARD_ADVICE_KEYS = {"actor_lr", "kl_rollback_threshold", "max_rollbacks", "roll
 # keys that may change between a checkpoint and its resumption; any other difference is refused
 RESUMABLE_KEYS = {"total_training_steps", "save_freq", "save_total_limit", "resume", "test_freq", "val_before_train",
                   "mlflow_tracking_uri", "mlflow_experiment", "mlflow_log_model", "mlflow_registered_model_name",
-                  "run_name", "log_samples", "output_dir",
+                  "run_name", "log_samples", "output_dir", "wandb",
                   "rollout_micro_batch_size", "val_files", "val_temperature", "gradient_checkpointing", "peak_tflops",
                   "malloc_mmap_threshold_mb", "reward_model_micro_batch_size_per_device"} | GUARD_ADVICE_KEYS
 

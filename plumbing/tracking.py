@@ -1,10 +1,12 @@
-"""Tracking: metrics.jsonl (the output contract), MLflow (asynchronous, one call per step) and
-curves.png. train_ppo.py calls `Tracker(...)` once and then `log`, `log_samples`, `log_curves`,
-`rewind` and `finish`; everything here takes plain values, never the script's config.
+"""Tracking: metrics.jsonl (the output contract), MLflow (asynchronous, one call per step),
+curves.png and, when asked, a Weights & Biases run. train_ppo.py calls `Tracker(...)` once and
+then `log`, `log_samples`, `log_curves`, `rewind` and `finish`; everything here takes plain
+values, never the script's config.
 
 metrics.jsonl is the record: it is written and flushed before anything is sent to MLflow, and a
 tracking server that is slow or down never stalls training (the sender retries in the
-background and catches up when the server is back).
+background and catches up when the server is back). W&B is a convenience beside them: a W&B
+that cannot start or stops taking steps is said once on stderr and left out of the rest of the run.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class Tracker:
     def __init__(self, out_dir: Path, enabled: bool, *, uri: str, experiment: str, run_name: str,
                  params: dict, tags: dict, datasets: dict[str, list[str]], system_metrics: bool = False,
                  resumed: dict | None = None, log_model: bool = True, registered_model_name: str = "",
-                 close_timeout_s: float = 60.0):
+                 close_timeout_s: float = 60.0, wandb: bool = False):
         """uri: '' = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db. params: the whole config.
         datasets: context (training, validation, ...) -> the files, logged as MLflow dataset inputs.
         system_metrics: MLflow's own CPU/memory/GPU sampling of this process's machine.
@@ -32,9 +34,11 @@ class Tracker:
         registered_model_name: that model also registered as a new version of this name in
         MLflow's model registry, described by its model card ('' = not registered).
         close_timeout_s: how long finish() waits for an unreachable server to take unsent steps.
+        wandb: also a W&B run (project `experiment`, the same name); its id is kept in checkpoints.
         resumed: a checkpoint's trainer state. Its steps stay in metrics.jsonl (later ones are
-        dropped, to be written again) and its MLflow run is continued when the store has it."""
+        dropped, to be written again) and its MLflow run (and W&B run) is continued when the store has it."""
         self.enabled, self.out_dir, self.run_id, self.uri = enabled, out_dir, None, ""
+        self.wandb: WandbRun | None = None
         self.log_model, self.registered_model_name, self.model_uri = log_model, registered_model_name, ""
         self.close_timeout_s = close_timeout_s
         self.history: list[dict] = []
@@ -66,6 +70,9 @@ class Tracker:
         self.run_id = self.run.info.run_id
         self._try("config.yaml", lambda: mlflow.log_artifact(str(out_dir / "config.yaml")))
         self.sender = MetricSender(mlflow.MlflowClient(), self.run_id)
+        if wandb:
+            self.wandb = WandbRun.start(out_dir, experiment, run_name or out_dir.name, params,
+                                        resumed.get("wandb_run_id") if resumed else None)
         path = out_dir / "metrics.jsonl"
         kept = []
         if resumed and path.exists():
@@ -96,11 +103,19 @@ class Tracker:
         self.history.append(record)
         self._changes += 1
         self.sender.put(step, {k: v for k, v in metrics.items() if math.isfinite(v)})
+        if self.wandb:
+            self.wandb.log(step, metrics)
 
     def log_samples(self, step: int, rows: dict):
         if self.enabled and rows["prompt"]:
             self._try(f"samples of step {step}", lambda: self.mlflow.log_table(
                 data=rows, artifact_file=f"samples/step_{step:06d}.json"))
+            if self.wandb:
+                self.wandb.log_samples(step, rows)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.wandb.id if self.wandb else None
 
     def log_curves(self) -> Path | None:
         """Redraw curves.png from every step so far and send it (called at each validation)."""
@@ -137,6 +152,8 @@ class Tracker:
             print(f"warning: MLflow never took the metrics of steps {unsent} (the tracking server was unreachable); "
                   f"they are all in {self.out_dir / 'metrics.jsonl'}", file=sys.stderr, flush=True)
         self._try("the end of the run", lambda: self.mlflow.end_run(status=status))
+        if self.wandb:
+            self.wandb.finish(status == "FINISHED", self.close_timeout_s)
 
 
     def _log_model(self, final_dir: Path) -> None:
@@ -182,6 +199,73 @@ class Tracker:
             version = client.create_model_version(name, source=f"{self.run.info.artifact_uri}/final",
                                                   run_id=self.run_id, description=description).version
         self.mlflow.set_tag("registered_model", f"{name}/{version}")
+
+
+class WandbRun:
+    """The W&B run beside MLflow (verl's trainer.logger=[..., wandb]), on the main process: the
+    config, each step's metrics.jsonl record, the validation samples. wandb is imported here only
+    (half a second), never in a run that does not ask for it. $WANDB_MODE, $WANDB_DIR and the rest
+    of W&B's environment apply; its files go under the output dir unless $WANDB_DIR says otherwise.
+    A call that fails (no network at the start, no API key, a W&B process that died) is said once
+    and W&B is left out of the rest of the run: metrics.jsonl is the record."""
+
+    def __init__(self, run, wandb):
+        self.run, self.wandb, self.id = run, wandb, run.id
+        # W&B's steps only go forward: steps that a rollback or a resume from an earlier checkpoint
+        # redoes keep in W&B what it took first (resumed online, run.step is past the last one taken)
+        self.next_step = run.step
+
+    @classmethod
+    def start(cls, out_dir: Path, project: str, name: str, config: dict, run_id: str | None) -> WandbRun | None:
+        try:
+            import wandb
+            dir_ = {} if os.environ.get("WANDB_DIR") else {"dir": str(out_dir)}
+            # a resumed run continues the checkpoint's W&B run (run_id None: a new one)
+            run = wandb.init(project=project, name=name, config=config, id=run_id, resume="allow", **dir_)
+            return cls(run, wandb)
+        except Exception as e:   # never a reason to stop training
+            _warn_wandb("did not start a run", e)
+            return None
+
+    def log(self, step: int, metrics: dict) -> None:
+        self._log(step, lambda: metrics)
+
+    def log_samples(self, step: int, rows: dict) -> None:
+        self._log(step, lambda: {"val/samples": self.wandb.Table(columns=list(rows),
+                                                                  data=[list(r) for r in zip(*rows.values())])})
+
+    def _log(self, step: int, values) -> None:
+        if self.run is None or step < self.next_step:
+            return
+        try:
+            self.run.log(values(), step=step)
+            self.next_step = step
+        except Exception as e:
+            _warn_wandb("stopped taking steps", e)
+            self.run = None
+
+    def finish(self, ok: bool, timeout: float) -> None:
+        """Ends the run (failed unless ok); an unreachable W&B server gets `timeout` seconds."""
+        run = self.run
+        if run is None:
+            return
+
+        def end():
+            try:
+                run.finish(exit_code=0 if ok else 1)
+            except Exception as e:
+                _warn_wandb("did not end its run", e)
+        ended = threading.Thread(target=end, daemon=True)
+        ended.start()
+        ended.join(timeout)
+        if ended.is_alive():
+            print(f"warning: W&B did not end its run within {timeout:.0f} s; its files are in {run.dir} "
+                  "(`wandb sync` sends them)", file=sys.stderr, flush=True)
+
+
+def _warn_wandb(what: str, e: Exception) -> None:
+    print(f"warning: W&B {what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; it is left out of "
+          "the rest of the run (metrics.jsonl is the record)", file=sys.stderr, flush=True)
 
 
 def _log_dataset(mlflow, path: str, context: str) -> None:

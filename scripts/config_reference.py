@@ -88,6 +88,7 @@ def verl_table() -> str:
         note = (convert.__doc__ or "").strip() if convert else ""
         gate = f"only with {v2c.GATES[key]}=true" if key in v2c.GATES else ""
         out.append(f"| `{key}` | `{name}` | {'; '.join(n for n in (note, gate) if n)} |")
+    out.append(f"| `trainer.logger` | `wandb` | {v2c.LOGGER_NOTE} |")
     for key, name in v2c.PER_GPU.items():
         out.append(f"| `{key}` | `{name}` | divided by trainer.n_gpus_per_node x trainer.nnodes |")
     for key, why in v2c.ALWAYS.items():

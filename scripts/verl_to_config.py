@@ -333,7 +333,6 @@ HINTS = {
                                        "process (the python tool has its own sandbox, tool_sandbox)",
     "defaults": "Hydra bookkeeping: the files it names are not read; pass them with --verl_config",
     "hydra.*": "Hydra bookkeeping, not a setting",
-    "trainer.logger": "the toolkit always writes metrics.jsonl and an MLflow run",
     "*fsdp_config.*": "sharding and offload come from the accelerate config (accelerate_configs/, ds_configs/)",
     "*.lr_warmup_steps_ratio": "set lr_warmup_steps = ratio x total_training_steps",
     "*ppo_micro_batch_size": "verl's global micro-batch: give trainer.n_gpus_per_node (and nnodes) to divide it",
@@ -577,12 +576,7 @@ def translate(flat: dict) -> Translation:
             out.used.append((key, value, fixed[1]))
             continue
         if key == "trainer.logger":
-            extra = [x for x in (value if isinstance(value, list) else [value]) if x not in ("console", "mlflow")]
-            if extra:
-                out.not_carried.append((key, value, f"no {', '.join(map(str, extra))}: the toolkit writes the console, "
-                                                    "metrics.jsonl and an MLflow run"))
-            else:
-                out.used.append((key, value, "the toolkit always writes the console, metrics.jsonl and an MLflow run"))
+            _loggers(key, value, out)
             continue
         if key in FIXED:
             if value == FIXED[key] and type(value) is type(FIXED[key]):
@@ -615,6 +609,24 @@ def translate(flat: dict) -> Translation:
     out.used.sort(key=lambda item: position[item[0]])
     out.not_carried.sort(key=lambda item: position[item[0]])
     return out
+
+
+# verl's trainer.logger list (the docs' table says this)
+LOGGER_NOTE = ("true when the list holds wandb; console and mlflow are always on; any other logger (tensorboard, "
+               "swanlab, clearml, ...) is not carried, by name")
+
+
+def _loggers(key: str, value, out: Translation) -> None:
+    """trainer.logger -> wandb, as LOGGER_NOTE says."""
+    names = value if isinstance(value, list) else [value]
+    extra = [str(x) for x in names if x not in ("console", "mlflow", "wandb")]
+    if "wandb" in names:
+        out.carried["wandb"] = (True, key, "wandb in the list (console and MLflow are always on)")
+    elif not extra:
+        out.used.append((key, value, "the toolkit always writes the console, metrics.jsonl and an MLflow run"))
+    if extra:
+        out.not_carried.append((key, value, f"no {', '.join(extra)}: the toolkit writes the console, metrics.jsonl, "
+                                            "an MLflow run and (wandb=true) a W&B run"))
 
 
 # verl's early-2025 layout had no use_kl_loss / use_kl_in_reward: a coefficient over 1e-6 switched each on.

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 import forkserver
+import wandb_offline
 from mlflow_store import sqlite_uri
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +55,7 @@ def short_run(tmp_path_factory):
     proc = run(tmp, f"--output_dir={out}", "--total_training_steps=3", "--test_freq=2", "--use_kl_loss=true",
                "--rollout_is=token", "--log_prob_micro_batch_size_per_device=32", "--critic_gradient_checkpointing=true",
                "--peak_tflops=1", "--mlflow_log_model=true", "--save_freq=2", "--mlflow_registered_model_name=demo-ppo",
-               *FAST)
+               "--wandb=true", *FAST, env_extra=wandb_offline.env(tmp))
     return tmp, out, proc
 
 
@@ -100,6 +101,31 @@ def test_short_run_mlflow_run_reads_back(short_run):
     assert tags["model_uri"].startswith("models:/")   # the final model, as an MLflow transformers model
     assert tags["world_size"] == "1" and tags["zero_stage"] == "none" and tags["rollout_engine"] == "hf"
     assert {"version.torch", "version.transformers", "version.deepspeed", "version.mlflow"} <= set(tags)
+
+
+def test_short_run_wandb_offline_run_holds_what_metrics_jsonl_holds(short_run):
+    """wandb=true (offline here): one W&B run, project mlflow_experiment and named as the MLflow run,
+    the whole config, every step's metrics.jsonl record with the same values, the validation
+    samples as a table on the steps that validated, finished with exit code 0; files under output_dir."""
+    tmp, out, proc = short_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = wandb_offline.runs(out)
+    got = wandb_offline.read(run_dir)
+    assert got["run"]["project"] == "ppo" and got["run"]["display_name"] == "out"
+    config = got["run"]["config"]["update"]
+    assert config["total_training_steps"] == 3 and config["wandb"] is True and config["use_kl_loss"] is True
+    logged = read_metrics(out)
+    assert sorted(got["history"]) == [r["step"] for r in logged]
+    for record in logged:
+        values = {k: v for k, v in got["history"][record["step"]].items() if not k.startswith("val/samples")}
+        assert values == {k: v for k, v in record.items() if k != "step"}, record["step"]
+    tables = [step for step, item in got["history"].items() if item.get("val/samples._type") == "table-file"]
+    assert tables == [0, 2, 3]   # before training, test_freq=2 and the last step
+    table = json.loads((run_dir / "files" / got["history"][3]["val/samples.path"]).read_text())
+    assert {"prompt", "response"} <= set(table["columns"]) and table["data"]
+    assert got["exit_code"] == 0
+    state = json.loads((out / "checkpoints" / "step_3" / "trainer_state.json").read_text())
+    assert state["wandb_run_id"] == got["run"]["run_id"]   # what a resume continues
 
 
 def test_short_run_terminal_is_quiet_and_says_where_things_are(short_run):

@@ -35,7 +35,8 @@ def test_a_run_process_imports_neither_sklearn_scipy_optimize_nor_triton_and_sti
 
 def test_starting_the_mlflow_run_does_not_import_ipython(tmp_path):
     """MLflow's start_run asks whether it is in a notebook by importing IPython (1-2 s of every
-    run); the Tracker starts the run without it, and the run still gets MLflow's source tags."""
+    run); the Tracker starts the run without it, and the run still gets MLflow's source tags.
+    Nor does it import wandb (half a second) unless W&B is asked for."""
     code = textwrap.dedent(f"""
         import sys
         from pathlib import Path
@@ -46,6 +47,7 @@ def test_starting_the_mlflow_run_does_not_import_ipython(tmp_path):
                           params={{"a": 1}}, tags={{}}, datasets={{}}, log_model=False)
         tracker.finish("FINISHED", None)
         assert "IPython" not in sys.modules, "IPython imported"
+        assert "wandb" not in sys.modules, "wandb imported by a run that did not ask for it"
         import mlflow
         tags = mlflow.MlflowClient("sqlite:///{tmp_path}/mlflow.db").get_run(tracker.run_id).data.tags
         assert tags["mlflow.source.type"] == "LOCAL" and tags["mlflow.runName"] == "r", tags

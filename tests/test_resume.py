@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import forkserver
+import wandb_offline
 from mlflow_store import sqlite_uri
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,8 +36,9 @@ def env_for(tmp):
     return dict(os.environ, MLFLOW_TRACKING_URI=sqlite_uri(tmp), PYTHONUNBUFFERED="1")
 
 
-def run(tmp, out, *extra):
-    return forkserver.run(command(out, *extra), cwd=tmp, env=env_for(tmp), capture_output=True, text=True, timeout=600)
+def run(tmp, out, *extra, env=None):
+    return forkserver.run(command(out, *extra), cwd=tmp, env=env or env_for(tmp), capture_output=True, text=True,
+                          timeout=600)
 
 
 def records(out):
@@ -212,15 +214,23 @@ def test_checkpoint_file_carrying_a_pickled_callable_is_refused(tmp_path, refere
 @pytest.mark.slow
 def test_the_last_step_is_checkpointed_and_a_longer_run_is_said_in_the_log(tmp_path, reference):
     """save_freq=2 over 3 steps saves steps 2 and 3 (verl saves the last step too). Resuming with a
-    larger total_training_steps under the constant schedule continues, and says so."""
+    larger total_training_steps under the constant schedule continues, and says so; with wandb=true
+    (offline) the resumed run continues the same W&B run (the id in the checkpoint) from step 4."""
     out = tmp_path / "out"
-    proc = run(tmp_path, out, "--total_training_steps=3")   # save_freq=2
+    env = dict(env_for(tmp_path), **wandb_offline.env(tmp_path))
+    proc = run(tmp_path, out, "--total_training_steps=3", "--wandb=true", env=env)   # save_freq=2
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
-    proc = run(tmp_path, out, "--total_training_steps=4")
+    proc = run(tmp_path, out, "--total_training_steps=4", "--wandb=true", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "total_training_steps changed from 3 to 4" in proc.stdout
     assert [r["step"] for r in records(out)] == list(range(5))
+    first, resumed = (wandb_offline.read(d) for d in wandb_offline.runs(out))   # offline: a folder per process
+    saved = json.loads((out / "checkpoints" / "step_3" / "trainer_state.json").read_text())["wandb_run_id"]
+    assert first["run"]["run_id"] == resumed["run"]["run_id"] == saved
+    assert sorted(first["history"]) == [0, 1, 2, 3] and sorted(resumed["history"]) == [4]
+    assert resumed["history"][4]["reward/score_mean"] == records(out)[4]["reward/score_mean"]
+    assert first["exit_code"] == resumed["exit_code"] == 0
 
 
 def test_a_different_length_under_the_cosine_schedule_is_refused_naming_the_key(tmp_path):
