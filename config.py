@@ -230,8 +230,8 @@ class Config:
     top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")
     val_temperature: float = opt(0.0, "sampling temperature for validation; 0 = greedy")
     val_batch_size: typing.Optional[int] = opt(
-        None, "validation prompts generated and scored per round, all ranks together (each rank takes its share, as "
-              "with train_batch_size): bounds validation's memory; None or 0 = the whole val set in one round")
+        None, "validation prompts generated and scored per round, all ranks together (ceil(val_batch_size / ranks) "
+              "a rank, global as train_batch_size): bounds validation's memory, same metrics; None or 0 = one round")
     # multi-turn tools (rollout/tools/): the model calls tools mid-answer and reads their output
     tools: str = opt("", "tools the model may call, 'module:function' specs, comma-separated (or a YAML list), e.g. "
                          "rollout.tools.builtin:calculator; '' = single-turn rollouts")
