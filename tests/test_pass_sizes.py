@@ -40,24 +40,42 @@ def demo():
     return tokenizer, model
 
 
-@pytest.mark.parametrize("val_temperature", [0.0, 1.0])
-def test_validation_in_rounds_gives_the_metrics_of_one_round(demo, val_temperature):
+@pytest.fixture(scope="module")
+def vllm_engine(demo):
+    from rollout.vllm import VLLMEngine
+    engine = VLLMEngine(DEMO, dtype="float32", seed=1, max_model_len=64, kv_cache_gb=0.25,
+                        eos_token_id=demo[0].eos_token_id)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("kind, val_temperature", [("hf", 0.0), ("hf", 1.0),
+                                                   pytest.param("vllm", 1.0, marks=pytest.mark.slow)])
+def test_validation_in_rounds_gives_the_metrics_of_one_round(demo, request, kind, val_temperature):
     """7 prompts in rounds of 3 (3 rounds: 3, 3, 1): the same metrics and samples as all 7 at once,
-    sampled too (each response's draws keyed to its place in the share), and torch's RNG moved on
-    as after one call, so the training that follows samples the same."""
+    sampled too (each response's draws keyed to its place in the share), and the engine's random
+    state (hf: torch's RNG; vLLM: its seed counter) moved on as after one call, so the training that
+    follows samples the same."""
     import train_ppo
     tokenizer, model = demo
     cfg = Config(val_temperature=val_temperature, log_samples=7, max_response_length=6)
     val = load_prompts(cfg.val_files, cfg.prompt_key, tokenizer, cfg.max_prompt_length, "error").take(range(7))
     scorer, accelerator = Scorer(cfg, tokenizer, None), Accelerator(cpu=True)
+    vllm = request.getfixturevalue("vllm_engine") if kind == "vllm" else None
+    start = vllm.state_dict() if vllm else None
     results = {}
     for size in (None, 3):
-        engine, calls = HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, 2), []
+        engine, calls = vllm or HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, 2), []
+        if vllm:
+            vllm.load_state_dict(start)
         counted(engine, "generate", calls)
         torch.manual_seed(1)
         metrics, samples = train_ppo.run_validation(dataclasses.replace(cfg, val_batch_size=size), accelerator,
                                                     engine, scorer, tokenizer, val)
-        results[size] = (metrics, samples, len(calls), torch.randint(2**62, ()).item())
+        after = vllm.state_dict() if vllm else torch.randint(2**62, ()).item()
+        results[size] = (metrics, samples, len(calls), after)
+        if vllm:
+            del vllm.generate   # the counting wrapper, an instance attribute
     (one, one_samples, one_calls, one_next), (rounds, round_samples, round_calls, round_next) = results.values()
     assert (one_calls, round_calls) == (1, 3)
     assert rounds == one and round_samples == one_samples and round_next == one_next
