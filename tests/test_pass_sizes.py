@@ -49,18 +49,27 @@ def vllm_engine(demo):
     engine.shutdown()
 
 
-@pytest.mark.parametrize("kind, val_temperature", [("hf", 0.0), ("hf", 1.0),
+JUDGE = dict(reward_judge_path=str(ROOT / "examples" / "demo_judge_model"), reward_judge_range="0,9",
+             reward_judge_template=str(ROOT / "examples" / "demo_judge_template.jinja"), reward_judge_max_tokens=1,
+             reward_judge_prompt_length=32)
+
+
+@pytest.mark.parametrize("kind, val_temperature", [("hf", 0.0), ("hf", 1.0), ("judge", 1.0),
                                                    pytest.param("vllm", 1.0, marks=pytest.mark.slow)])
 def test_validation_in_rounds_gives_the_metrics_of_one_round(demo, request, kind, val_temperature):
     """7 prompts in rounds of 3 (3 rounds: 3, 3, 1): the same metrics and samples as all 7 at once,
     sampled too (each response's draws keyed to its place in the share), and the engine's random
     state (hf: torch's RNG; vLLM: its seed counter) moved on as after one call, so the training that
-    follows samples the same."""
+    follows samples the same. judge: the hf judge scores each round; its verdicts and unreadable
+    count are those of one call."""
     import train_ppo
     tokenizer, model = demo
-    cfg = Config(val_temperature=val_temperature, log_samples=7, max_response_length=6)
+    cfg = Config(val_temperature=val_temperature, log_samples=7, max_response_length=6,
+                 **(JUDGE if kind == "judge" else {}))
     val = load_prompts(cfg.val_files, cfg.prompt_key, tokenizer, cfg.max_prompt_length, "error").take(range(7))
     scorer, accelerator = Scorer(cfg, tokenizer, None), Accelerator(cpu=True)
+    if kind == "judge":
+        scorer.start(world=1, rank=0)
     vllm = request.getfixturevalue("vllm_engine") if kind == "vllm" else None
     start = vllm.state_dict() if vllm else None
     results = {}
@@ -79,7 +88,10 @@ def test_validation_in_rounds_gives_the_metrics_of_one_round(demo, request, kind
     (one, one_samples, one_calls, one_next), (rounds, round_samples, round_calls, round_next) = results.values()
     assert (one_calls, round_calls) == (1, 3)
     assert rounds == one and round_samples == one_samples and round_next == one_next
-    assert len(one_samples["response"]) == 7 and "val/accuracy" in one
+    assert len(one_samples["response"]) == 7 and ("val/judge_parse_errors" in one if kind == "judge" else
+                                                  "val/accuracy" in one)
+    if kind == "judge":
+        assert len(one_samples["judge"]) == 7
 
 
 def test_validation_rounds_are_global_and_alike_on_every_rank():
