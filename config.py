@@ -232,6 +232,9 @@ class Config:
     top_p: float = opt(1.0, "nucleus sampling for rollouts")
     top_k: int = opt(-1, "top-k sampling for rollouts; -1 = off")
     val_temperature: float = opt(0.0, "sampling temperature for validation; 0 = greedy")
+    val_batch_size: typing.Optional[int] = opt(
+        None, "validation prompts generated and scored per round, all ranks together (ceil(val_batch_size / ranks) "
+              "a rank, global as train_batch_size): bounds validation's memory, same metrics; None or 0 = one round")
     # multi-turn tools (rollout/tools/): the model calls tools mid-answer and reads their output
     tools: str = opt("", "tools the model may call, 'module:function' specs, comma-separated (or a YAML list), e.g. "
                          "rollout.tools.builtin:calculator; '' = single-turn rollouts")
@@ -270,12 +273,24 @@ class Config:
     log_prob_micro_batch_size_per_device: typing.Optional[int] = opt(
         None, "sequences per no-grad forward pass (old and reference log-probs, values; nothing kept for a backward "
               "pass, so it can be larger); None = ppo_micro_batch_size_per_device")
+    ref_log_prob_micro_batch_size_per_device: typing.Optional[int] = opt(
+        None, "sequences per micro-batch of the reference log-prob pass on one device; None = "
+              "log_prob_micro_batch_size_per_device")
     reward_model_micro_batch_size_per_device: typing.Optional[int] = opt(
         None, "reward_model_engine=trained: sequences per reward-model forward pass on one device; None = "
               "log_prob_micro_batch_size_per_device")
+    reward_model_use_dynamic_bsz: bool = opt(False, "reward_model_engine=trained: form the reward model's micro-batches "
+                                                    "by token budget (reward_model_max_token_len_per_device) instead "
+                                                    "of a sequence count")
+    reward_model_max_token_len_per_device: typing.Optional[int] = opt(
+        None, "reward_model_use_dynamic_bsz: prompt+response tokens per reward-model forward pass on one device; "
+              "None = log_prob_max_token_len_per_device")
     log_prob_max_token_len_per_device: typing.Optional[int] = opt(
         None, "use_dynamic_bsz: tokens per micro-batch of the no-grad old and reference log-prob passes; None = "
               "ppo_max_token_len_per_device")
+    ref_log_prob_max_token_len_per_device: typing.Optional[int] = opt(
+        None, "use_dynamic_bsz: tokens per micro-batch of the reference log-prob pass; None = "
+              "log_prob_max_token_len_per_device")
     use_dynamic_bsz: bool = opt(False, "form micro-batches by token budget instead of a sequence count")
     ppo_max_token_len_per_device: int = opt(16384, "use_dynamic_bsz: prompt+response tokens per micro-batch")
     remove_padding: bool = opt(True, "pack each micro-batch's sequences end to end in one row, so no layer computes "
@@ -473,7 +488,8 @@ def validate_config(cfg: Config) -> None:
                 "ppo_micro_batch_size_per_device", "max_prompt_length", "max_response_length", "rollout_micro_batch_size"):
         need(getattr(cfg, key) > 0, f"{key} must be > 0, got {getattr(cfg, key)}")
     need(cfg.total_epochs >= 0, f"total_epochs must be >= 0 (0 = total_training_steps), got {cfg.total_epochs}")
-    for key in ("rollout_max_num_batched_tokens", "rollout_max_num_seqs", "log_prob_max_token_len_per_device"):
+    for key in ("rollout_max_num_batched_tokens", "rollout_max_num_seqs", "log_prob_max_token_len_per_device",
+                "ref_log_prob_max_token_len_per_device", "reward_model_max_token_len_per_device"):
         need(getattr(cfg, key) is None or getattr(cfg, key) > 0, f"{key} must be > 0 (or None), got {getattr(cfg, key)}")
     need(cfg.rollout_tensor_model_parallel_size >= 1,
          f"rollout_tensor_model_parallel_size must be >= 1, got {cfg.rollout_tensor_model_parallel_size}")
@@ -522,6 +538,8 @@ def validate_config(cfg: Config) -> None:
     need(cfg.resume in ("auto", "never") or Path(cfg.resume).is_dir(),
          f"resume must be auto, never or a checkpoint directory; {cfg.resume} does not exist")
     need(cfg.val_temperature >= 0, f"val_temperature must be >= 0, got {cfg.val_temperature}")
+    need(cfg.val_batch_size is None or cfg.val_batch_size >= 0,
+         f"val_batch_size must be >= 0 (0 or None = the whole val set at once), got {cfg.val_batch_size}")
     need(0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
     need(cfg.top_k == -1 or cfg.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {cfg.top_k}")
     for key in ("actor_lr", "critic_lr", "max_grad_norm", "critic_max_grad_norm", "rollout_kv_cache_gb",
@@ -552,7 +570,7 @@ def validate_config(cfg: Config) -> None:
         need(value is None or value > 0, f"{key} must be > 0, got {value}")
     for key in ("critic_ppo_mini_batch_size", "critic_ppo_micro_batch_size_per_device", "critic_ppo_epochs",
                 "critic_ppo_max_token_len_per_device", "log_prob_micro_batch_size_per_device",
-                "reward_model_micro_batch_size_per_device"):
+                "reward_model_micro_batch_size_per_device", "ref_log_prob_micro_batch_size_per_device"):
         need(getattr(cfg, key) is None or getattr(cfg, key) > 0, f"{key} must be > 0 (or None), got {getattr(cfg, key)}")
     for role in ("actor", "critic"):
         sched, key = schedule(cfg, role), "ppo_mini_batch_size" if role == "actor" else "critic_ppo_mini_batch_size"
@@ -708,11 +726,17 @@ class Schedule:
 
 
 def schedule(cfg: Config, role: str) -> Schedule:
-    """role: actor | critic | log_prob (the no-grad log-prob passes' token budget). A critic_ or
-    log_prob_ key left at None takes the actor's value. The token budgets are per device: a
+    """role: actor | critic | log_prob (the no-grad log-prob passes' sizes) | ref (the reference
+    log-prob pass's). A critic_ or log_prob_ key left at None takes the actor's value, a ref_ key
+    the log_prob one. The token budgets are per device: a
     micro-batch split over a sequence-parallel group holds ulysses_sequence_parallel_size times as
     many tokens (verl's ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size)."""
     sp = cfg.ulysses_sequence_parallel_size
+    if role == "ref":
+        log_prob = schedule(cfg, "log_prob")
+        budget = cfg.ref_log_prob_max_token_len_per_device
+        return Schedule(log_prob.mini_batch, cfg.ref_log_prob_micro_batch_size_per_device or log_prob.micro_batch, 1,
+                        budget * sp if cfg.use_dynamic_bsz and budget else log_prob.max_tokens)
     if role == "log_prob":
         budget = cfg.log_prob_max_token_len_per_device or cfg.ppo_max_token_len_per_device
         return Schedule(cfg.ppo_mini_batch_size, cfg.log_prob_micro_batch_size_per_device or
@@ -724,10 +748,15 @@ def schedule(cfg: Config, role: str) -> Schedule:
                     own("ppo_max_token_len_per_device") * sp if cfg.use_dynamic_bsz else 0)
 
 
-def reward_micro_batch(cfg: Config) -> int:
-    """Sequences per forward pass of a reward model on the trained stack, in training and validation."""
-    return (cfg.reward_model_micro_batch_size_per_device or cfg.log_prob_micro_batch_size_per_device
+def reward_micro_batch(cfg: Config) -> tuple[int, int]:
+    """(sequences per forward pass, token budget per pass: 0 = by sequence count) of a reward model on the
+    trained stack, in training and validation; the budget per device, x ulysses_sequence_parallel_size as
+    the other passes' (verl's reward_model.use_dynamic_bsz is its own switch, as here)."""
+    size = (cfg.reward_model_micro_batch_size_per_device or cfg.log_prob_micro_batch_size_per_device
             or cfg.ppo_micro_batch_size_per_device)
+    budget = (cfg.reward_model_max_token_len_per_device or cfg.log_prob_max_token_len_per_device
+              or cfg.ppo_max_token_len_per_device)
+    return size, budget * cfg.ulysses_sequence_parallel_size if cfg.reward_model_use_dynamic_bsz else 0
 
 
 def sampling_cut(cfg: Config) -> bool:

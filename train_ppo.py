@@ -370,25 +370,51 @@ def validation_share(n: int, world: int, rank: int) -> tuple[list[int], int]:
     return mine + [0] * (share - len(mine)), len(mine)
 
 
+def validation_rounds(share: int, val_batch_size: int | None, world: int) -> list[tuple[int, int]]:
+    """[start, stop) of each round over a rank's share of the validation prompts: val_batch_size
+    prompts a round over all ranks (a global size, as train_batch_size), so ceil(val_batch_size /
+    world) of a rank's; None or 0: one round. Every share has the same size (validation_share), so
+    every rank runs the same rounds: the same generate and scoring calls."""
+    per = -(-val_batch_size // world) if val_batch_size else max(share, 1)
+    return [(start, min(start + per, share)) for start in range(0, share, per)]
+
+
 def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet, tools=None) -> tuple[dict, dict]:
-    """Greedy (by default) generation on this rank's share of the validation prompts; scores are
-    summed over ranks, so the figures cover the whole validation set."""
-    idx, real = validation_share(len(val.ids), *ulysses.data_parallel(accelerator))
+    """Greedy (by default) generation on this rank's share of the validation prompts, in rounds of
+    val_batch_size; scores are summed over ranks, so the figures cover the whole validation set."""
+    world, rank = ulysses.data_parallel(accelerator)
+    idx, real = validation_share(len(val.ids), world, rank)
     mine = val.take(idx)
     params = SamplingParams(n=1, temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                             max_tokens=cfg.max_response_length)
-    # an SP group's ranks sample a share each and all score the group's batch (a split reward-model pass)
-    out = generate_split(engine, mine, params, tools, any_over_ranks(accelerator))
-    responses = out.responses
-    batch = to_device(out.batch(tokenizer.pad_token_id) if tools else pack_batch(mine.ids, responses, tokenizer.pad_token_id),
-                      accelerator.device)
-    scores = scorer(mine, responses, batch, reward_micro_batch(cfg),
-                    getattr(out, "columns", None)).to(accelerator.device)[:real]
-    texts, responses = mine.texts[:real], responses[:real]
-    unreadable = float(sum(scorer.unreadable[:real])) if scorer.judge is not None else 0.0
+    rounds = validation_rounds(len(idx), cfg.val_batch_size, world)
+    # the rounds sample what one call would: the call's seed, each prompt's draws keyed to its place in
+    # the share (not kept with tools, whose passes draw afresh, nor across a tensor-parallel vLLM group)
+    keyed = len(rounds) > 1 and not tools and cfg.rollout_tensor_model_parallel_size == 1
+    if keyed:
+        params = dataclasses.replace(params, seed=engine.draw_seed(params, len(idx)))
+    kept = {"scores": [], "texts": [], "responses": [], "unreadable": [], "verdicts": []}
+    for start, stop in rounds:
+        part = mine.take(range(start, stop))
+        # an SP group's ranks sample a share each and all score the group's batch (a split reward-model pass)
+        out = generate_split(engine, part, params, tools, any_over_ranks(accelerator),
+                             (start, len(idx)) if keyed else None)
+        batch = to_device(out.batch(tokenizer.pad_token_id) if tools else
+                          pack_batch(part.ids, out.responses, tokenizer.pad_token_id), accelerator.device)
+        micro, budget = reward_micro_batch(cfg)
+        scores = scorer(part, out.responses, batch, micro, getattr(out, "columns", None), max_tokens=budget,
+                        agree=max_over_ranks(accelerator)).to(accelerator.device)
+        count = max(0, min(real, stop) - start)   # the round's prompts that are this rank's own
+        kept["scores"].append(scores[:count])
+        kept["texts"] += part.texts[:count]
+        kept["responses"] += out.responses[:count]
+        if scorer.judge is not None:
+            kept["unreadable"] += scorer.unreadable[:count]
+            kept["verdicts"] += scorer.verdicts[:count]
     scorer.take_judge_errors()   # validation's own count: not the next training step's
-    sums = torch.tensor([scores.sum().item(), (scores >= 1.0).float().sum().item(), float(len(scores)), unreadable],
-                        dtype=torch.float64, device=scores.device)
+    scores, texts, responses = torch.cat(kept["scores"]), kept["texts"], kept["responses"]
+    sums = torch.tensor([scores.sum().item(), (scores >= 1.0).float().sum().item(), float(len(scores)),
+                         float(sum(kept["unreadable"]))], dtype=torch.float64, device=scores.device)
     total, correct, count, unreadable = accelerator.reduce(sums, reduction="sum").tolist()
     metrics = {"val/score_mean": total / count}
     if scorer.is_verifier:
@@ -398,7 +424,7 @@ def run_validation(cfg, accelerator, engine, scorer, tokenizer, val: PromptSet, 
                "score": scores[:n].tolist()}
     if scorer.judge is not None:   # the judge's raw verdicts beside the responses they scored
         metrics["val/judge_parse_errors"] = unreadable
-        samples["judge"] = scorer.verdicts[:n]
+        samples["judge"] = kept["verdicts"][:n]
     return metrics, samples
 
 
@@ -658,7 +684,9 @@ def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, ag
         # multi-turn: response_mask is 0 at tool tokens (no policy loss, KL, entropy, value or advantage)
         batch = to_device(rollout.batch(run.tokenizer.pad_token_id) if run.tools else
                           pack_batch(prompts.ids, rollout.responses, run.tokenizer.pad_token_id), device)
-        scores = run.scorer(prompts, rollout.responses, batch, reward_micro_batch(cfg), getattr(rollout, "columns", None)).to(device)
+        micro, budget = reward_micro_batch(cfg)
+        scores = run.scorer(prompts, rollout.responses, batch, micro, getattr(rollout, "columns", None),
+                            max_tokens=budget, agree=max_over_ranks(run.accelerator)).to(device)
     return Sampled(idx, rollout.responses, rollout.logprobs, scores, rollout if run.tools else None)
 
 
@@ -738,11 +766,14 @@ def forward_passes(run: Run, batch: dict, temperature: float) -> torch.Tensor | 
         outs = forward_in_micro_batches(agreed(actor_pass), batch, **passes)             # [b, R, 2 or 3]
         batch["old_logprob"], batch["old_entropy"] = outs[..., 0].contiguous(), outs[..., 1].contiguous()
         actor_sampling = batch["old_logprob"] if truncation is None else outs[..., 2].contiguous()
+    ref_sched = schedule(cfg, "ref")   # its own sizes (ref_log_prob_*), shrunk as the phase's on an OOM
+    size, budget = run.oom.scaled("log_prob", ref_sched.micro_batch, ref_sched.max_tokens)
+    ref_passes = dict(passes, size=size, max_tokens=budget)
     if run.ref is not None:
-        batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.ref)), batch, **passes)
+        batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.ref)), batch, **ref_passes)
     elif cfg.lora_rank and (cfg.use_kl_in_reward or cfg.use_kl_loss):
         with _unwrap(run.actor).disable_adapter():   # the base model is the reference
-            batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.actor)), batch, **passes)
+            batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.actor)), batch, **ref_passes)
     if run.critic is not None:
         size, budget = run.oom.scaled("log_prob", critic_sched.micro_batch, critic_sched.max_tokens)
         batch["values"] = forward_in_micro_batches(agreed(lambda mb: critic_values(run.critic, mb)), batch, size=size,

@@ -47,7 +47,10 @@ RESUMABLE_KEYS = {"total_training_steps", "save_freq", "save_total_limit", "resu
                   "mlflow_tracking_uri", "mlflow_experiment", "mlflow_log_model", "mlflow_registered_model_name",
                   "run_name", "log_samples", "output_dir", "wandb",
                   "rollout_micro_batch_size", "val_files", "val_temperature", "gradient_checkpointing", "peak_tflops",
-                  "malloc_mmap_threshold_mb", "reward_model_micro_batch_size_per_device"} | GUARD_ADVICE_KEYS
+                  "malloc_mmap_threshold_mb", "reward_model_micro_batch_size_per_device", "val_batch_size",
+                  # how the no-grad passes are cut: the same numbers either way
+                  "ref_log_prob_micro_batch_size_per_device", "ref_log_prob_max_token_len_per_device",
+                  "reward_model_use_dynamic_bsz", "reward_model_max_token_len_per_device"} | GUARD_ADVICE_KEYS
 
 
 def find_checkpoint(resume: str, output_dir: str) -> Path | None:

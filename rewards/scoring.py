@@ -106,9 +106,11 @@ class Scorer:
         return errors
 
     def __call__(self, prompts: PromptSet, responses: list[list[int]], batch: dict, micro: int,
-                 trajectory: dict | None = None) -> torch.Tensor:
+                 trajectory: dict | None = None, max_tokens: int = 0, agree=None) -> torch.Tensor:
         """trajectory (multi-turn): messages, tool_calls, tool_errors, env_reward per sample; the
-        function gets those it names as parameters, and the environment's reward is added."""
+        function gets those it names as parameters, and the environment's reward is added. micro,
+        max_tokens, agree: the trained reward model's micro-batches (forward_in_micro_batches): micro
+        sequences each, or with max_tokens > 0 that token budget, agree(count) the passes every rank runs."""
         trajectory = trajectory or {}
         if self.served is not None:   # every real token of each sequence, unpadded: vLLM reads the last
             real = batch["attention_mask"].bool().cpu()
@@ -117,7 +119,8 @@ class Scorer:
             scores = torch.tensor(self.served.score(sequences), dtype=torch.float32)
             self.served.sleep()
         elif self.reward_model is not None:
-            scores = forward_in_micro_batches(lambda mb: reward_model_scores(self.reward_model, mb), batch, micro)
+            scores = forward_in_micro_batches(lambda mb: reward_model_scores(self.reward_model, mb), batch, micro,
+                                              max_tokens, agree)
         elif self.judge is not None:
             texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
             scores, self.verdicts, self.unreadable = self.judge(prompts.texts, texts, prompts.columns)

@@ -63,6 +63,7 @@ class RolloutEngine(Protocol):
     name: str                                                     # "hf" | "vllm"
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  share: Share | None = None) -> RolloutOutput: ...   # share None: the whole batch
+    def draw_seed(self, params: SamplingParams, prompts: int) -> int | None: ...   # one call's seed: see HFEngine
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
     def sleep(self) -> None: ...                                  # after generating: free GPU memory
     def wake_up(self, tags: list[str] | None = None) -> None: ...  # "weights" before a sync, "kv_cache" before generating

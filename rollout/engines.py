@@ -57,17 +57,20 @@ def fresh_mismatch_warning(drift: float, engine: str, dtype: str, model_type: st
             f"rollout_bypass_mode; rollout_engine=hf samples from the actor itself)")
 
 
-def generate_split(engine, prompts: PromptSet, params: SamplingParams, tools=None, any_active=None):
+def generate_split(engine, prompts: PromptSet, params: SamplingParams, tools=None, any_active=None,
+                   within: tuple[int, int] | None = None):
     """Rollouts of a sequence-parallel group's prompts (the same on every rank of the group): each
     rank samples its share of them and every rank gets the whole group's rollouts, in prompt order,
     the same as one call on all of them samples (rollout.Share): engine.generate on their ids, or
     with tools (multi-turn, one row per trajectory) tools.generate (any_active: its passes'
     agreement over all ranks); each trajectory's tool calls then run on one rank only. A collective of the group; sp 1: the plain call. A rank left without
     a prompt (fewer prompts than ranks) still calls the engine, on none: the hf engine's ZeRO-3
-    gather is a collective of all ranks."""
+    gather is a collective of all ranks. within (first, total): these prompts are rows first... of a
+    batch of total generated in several calls (validation in rounds), their draws keyed to those places."""
     rows = len(prompts.ids)
     lo, hi = ulysses.share(rows)
-    share = Share.of(lo, hi - lo, rows, ulysses.leader()) if ulysses.size() > 1 else None
+    first, total = within or (0, rows)
+    share = Share.of(first + lo, hi - lo, total, ulysses.leader()) if ulysses.size() > 1 or within else None
     mine = tools.generate(engine, prompts.take(range(lo, hi)), params, any_active, share) if tools else \
         engine.generate(prompts.ids[lo:hi], params, share)
     return mine if share is None else type(mine).concat(ulysses.gather(mine))

@@ -47,8 +47,8 @@ class HFEngine:
         )
         expanded = [p for p in prompts for _ in range(params.n)]
         keys = (share or Share.of(0, len(prompts), len(prompts))).keys(params.n)   # each row's place in the batch
-        seed = None if params.temperature == 0 else params.seed if params.seed is not None else \
-            int(torch.randint(2**62, ()))   # the same on every rank of a split
+        seed = params.seed if params.seed is not None else self.draw_seed(params, len(prompts))
+        seed = None if params.temperature == 0 else seed   # the same on every rank of a split
         responses, logprobs = [], []
         # generate() fills unset values from model.generation_config, which would bring the
         # model's EOS back even with ignore_eos: swap it out for the duration of the call.
@@ -75,6 +75,13 @@ class HFEngine:
             self.model.train(was_training)
         # greedy has no sampling distribution to report (validation only)
         return RolloutOutput(responses=responses, logprobs=logprobs if params.temperature != 0 else None)
+
+    def draw_seed(self, params: SamplingParams, prompts: int) -> int | None:
+        """The seed one generate() call on `prompts` prompts takes when params.seed is None, the
+        engine's random state moved on as after that call: a batch generated in several calls, each
+        given this seed and its prompts' places (Share), samples what one call would. hf: one number
+        from torch's RNG (none for greedy)."""
+        return None if params.temperature == 0 else int(torch.randint(2**62, ()))
 
     def _generate_chunk(self, prompts: list[list[int]], gen_cfg: GenerationConfig, processors) -> list[list[int]]:
         """The responses to these prompts. generate() keeps a row that reached EOS in the batch until

@@ -104,9 +104,7 @@ class VLLMEngine:
         expanded = [p for p in prompts for _ in range(params.n)]   # prompt-major, one request each
         greedy = params.temperature == 0
         keys = share.keys(params.n)
-        base = self._next_seed if params.seed is None else params.seed   # a seed given: the counter stays
-        if params.seed is None:
-            self._next_seed += share.total * params.n
+        base = self.draw_seed(params, share.total) if params.seed is None else params.seed   # given: the counter stays
         if not expanded:   # an empty share of a split batch
             return RolloutOutput(responses=[], logprobs=[])
         requests = [_tokens_prompt(p) for p in expanded]
@@ -125,6 +123,12 @@ class VLLMEngine:
             responses.append(tokens)
             logprobs.append([step[t].logprob for step, t in zip(sample.logprobs, tokens)])
         return RolloutOutput(responses=responses, logprobs=logprobs)
+
+    def draw_seed(self, params: SamplingParams, prompts: int) -> int:
+        """The first seed of one generate() call on `prompts` prompts (HFEngine.draw_seed): the
+        counter, moved on by the call's samples (greedy too: its requests take seeds they ignore)."""
+        seed, self._next_seed = self._next_seed, self._next_seed + prompts * params.n
+        return seed
 
     def _generate_in_group(self, prompts: list[list[int]], params: SamplingParams, share: Share | None) -> RolloutOutput:
         """Tensor parallel: the engine spans the group, so its members must submit the same requests;

@@ -141,6 +141,7 @@ MAPPING = {
     "data.max_prompt_length": "max_prompt_length",
     "data.max_response_length": "max_response_length",
     "data.train_batch_size": "train_batch_size",
+    "data.val_batch_size": "val_batch_size",
     "data.filter_overlong_prompts": ("prompt_truncation", _filter_overlong),   # before data.truncation: it wins
     "data.truncation": ("prompt_truncation", _one_of("error", "left")),
     "data.seed": "seed",
@@ -159,6 +160,8 @@ MAPPING = {
     "reward_model.rollout.name": ("reward_model_engine", _served_by),
     "reward_model.rollout.gpu_memory_utilization": "reward_model_gpu_memory_utilization",
     "reward_model.micro_batch_size_per_gpu": "reward_model_micro_batch_size_per_device",
+    "reward_model.use_dynamic_bsz": "reward_model_use_dynamic_bsz",
+    "reward_model.forward_max_token_len_per_gpu": "reward_model_max_token_len_per_device",
     "reward_model.overlong_buffer.len": "overlong_buffer_len",
     "reward_model.overlong_buffer.penalty_factor": "overlong_penalty_factor",
     # actor
@@ -201,14 +204,14 @@ MAPPING = {
     R + "val_kwargs.top_k": ("top_k", _top_k),
     R + "gpu_memory_utilization": "rollout_gpu_memory_utilization",
     R + "log_prob_micro_batch_size_per_gpu": "log_prob_micro_batch_size_per_device",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "log_prob_micro_batch_size_per_device",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "ref_log_prob_micro_batch_size_per_device",
     R + "enforce_eager": "rollout_enforce_eager",
     R + "free_cache_engine": "rollout_sleep",
     R + "max_num_batched_tokens": "rollout_max_num_batched_tokens",
     R + "max_num_seqs": "rollout_max_num_seqs",
     R + "tensor_model_parallel_size": "rollout_tensor_model_parallel_size",
     R + "log_prob_max_token_len_per_gpu": "log_prob_max_token_len_per_device",
-    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "log_prob_max_token_len_per_device",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "ref_log_prob_max_token_len_per_device",
     A + "ulysses_sequence_parallel_size": "ulysses_sequence_parallel_size",
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "ulysses_sequence_parallel_size",
     "critic.ulysses_sequence_parallel_size": "ulysses_sequence_parallel_size",
@@ -278,6 +281,8 @@ GATES = {
     "reward_model.rollout.name": "reward_model.enable",
     "reward_model.rollout.gpu_memory_utilization": "reward_model.enable",
     "reward_model.micro_batch_size_per_gpu": "reward_model.enable",
+    "reward_model.use_dynamic_bsz": "reward_model.enable",
+    "reward_model.forward_max_token_len_per_gpu": "reward_model.enable",
     "reward_model.overlong_buffer.len": "reward_model.overlong_buffer.enable",
     "reward_model.overlong_buffer.penalty_factor": "reward_model.overlong_buffer.enable",
 }
@@ -287,7 +292,7 @@ PER_GPU = {
     A + "ppo_micro_batch_size": "ppo_micro_batch_size_per_device",
     "critic.ppo_micro_batch_size": "critic_ppo_micro_batch_size_per_device",
     R + "log_prob_micro_batch_size": "log_prob_micro_batch_size_per_device",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size": "log_prob_micro_batch_size_per_device",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": "ref_log_prob_micro_batch_size_per_device",
     "reward_model.micro_batch_size": "reward_model_micro_batch_size_per_device",
 }
 
@@ -358,15 +363,10 @@ HINTS = {
                         "max_staleness and rollout_processes",
     "*.strategy": "the toolkit trains with DeepSpeed ZeRO through Accelerate (accelerate_configs/), not FSDP/Megatron",
     "*megatron.*": "no Megatron parallelism",
-    "data.val_batch_size": "each rank validates its whole share of val_files at once",
-    "reward_model.forward_max_token_len_per_gpu": "the reward model's micro-batch is a sequence count "
-                                                  "(reward_model_micro_batch_size_per_device), not a token budget",
     "*forward_max_token_len_per_gpu": "the no-grad passes use the actor's and critic's token budgets",
     "*log_prob_use_dynamic_bsz": "the no-grad passes batch like the update (use_dynamic_bsz)",
     "reward_model.micro_batch_size": "verl's global micro-batch: give trainer.n_gpus_per_node (and nnodes) to "
                                      "divide it",
-    "reward_model.use_dynamic_bsz": "the reward model's micro-batch is a sequence count "
-                                    "(reward_model_micro_batch_size_per_device), not a token budget",
     R + "enable_chunked_prefill": "vLLM's scheduler defaults are used",
     R + "load_format": "vLLM gets the actor's weights in process after every update",
     R + "layered_summon": "LoRA weights are merged and sent layer by layer already",
@@ -645,7 +645,8 @@ def _older_kl_switches(flat: dict, out: Translation) -> None:
 
 # verl's settings of the reward model's FSDP worker: here the trained-stack reward model's
 TRAINED_RM_KEYS = ("reward_model.micro_batch_size", "reward_model.micro_batch_size_per_gpu",
-                   "reward_model.model.fsdp_config.param_offload")
+                   "reward_model.model.fsdp_config.param_offload", "reward_model.use_dynamic_bsz",
+                   "reward_model.forward_max_token_len_per_gpu")
 
 
 def _trained_rm_moot(flat: dict) -> str:

@@ -152,10 +152,13 @@ def skewed_prompts(n: int, batch: int, seed: int, world: int) -> list[str]:
 
 
 # the uneven-work runs by validation set size: (accelerate config, steps, arguments of its own);
-# the size-3 run doubles as the zero3_offload config's run (still ZeRO-3: the same gathers to match),
-# the size-1 run as bypass mode's (no actor pass before the update; its metrics come from the update)
+# the size-3 run doubles as the zero3_offload config's run (still ZeRO-3: the same gathers to match)
+# and validates in rounds of 2 (one prompt a rank: rank 1's second round is all filler) with the
+# reference pass and the reward model on token budgets of their own; the size-1 run is bypass
+# mode's (no actor pass before the update; its metrics come from the update)
 UNEVEN = {1: ("zero3", 1, ["--rollout_bypass_mode=true"]),
-          3: ("zero3_offload", 2, ["--ref_offload=true"])}
+          3: ("zero3_offload", 2, ["--ref_offload=true", "--val_batch_size=2", "--ref_log_prob_max_token_len_per_device=24",
+                                   "--reward_model_use_dynamic_bsz=true", "--reward_model_max_token_len_per_device=24"])}
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +197,9 @@ def uneven_run(tmp_path_factory):
 def test_zero3_uneven_work_per_rank_does_not_hang(uneven_run, val_size):
     """Token-budget micro-batches with rank 0's prompts 7x longer than rank 1's (so each rank's own
     split would give it a different number of forward passes), a validation set that does not
-    divide over the 2 ranks (size 1: rank 1 has no prompt of its own), and a ZeRO-3 reward model
-    scoring both: every rank must run the same number of passes, or ZeRO-3's gathers hang."""
+    divide over the 2 ranks (size 1: rank 1 has no prompt of its own; size 3: in rounds of
+    val_batch_size=2, rank 1's last all filler), and a ZeRO-3 reward model scoring both: every rank
+    must run the same number of passes, or ZeRO-3's gathers hang."""
     out, proc = uneven_run(val_size)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
