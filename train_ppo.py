@@ -934,7 +934,7 @@ def train_step(run: Run, step: int) -> dict:
     with timed(times, "log"):
         metrics.update({**rollout_metrics(run, data, batch, drift, regenerated, temperature), **filtered})
         if run.peak_flops:
-            metrics.update(model_flops_utilisation(run, batch, updates, dp))
+            metrics.update(model_flops_utilisation(run, batch, updates, times, dp))
         metrics = reduce_metrics(accelerator, {**metrics, **seconds(times)})
     # bypass mode: check_drift's first-step warning from the update's measure, which under a
     # top_p/top_k cut also holds the cut's -log kept probability (then no verdict)
@@ -951,22 +951,27 @@ def train_step(run: Run, step: int) -> dict:
     return metrics
 
 
-def model_flops_utilisation(run: Run, batch: dict, updates: dict, dp: int) -> dict:
+def model_flops_utilisation(run: Run, batch: dict, updates: dict, times: dict, dp: int) -> dict:
     """perf/mfu/actor and perf/mfu/critic: each update's model FLOPs (flops.py) over its time at the
-    device's peak; perf/flops: the step's model FLOPs on all ranks (perf/mfu once the step's time is
-    known). Generation counts as one forward pass of the actor; the SFT mix is not counted. A
-    sequence-parallel group shares one batch's work: dp batches in all, 1/sp of one on each rank."""
+    device's peak; perf/mfu/update, perf/mfu/gen and perf/mfu/forward: the update phase's, the
+    generation's and the forward passes' (old log-probs, reference, values) over their phases'
+    times; perf/flops: the step's model FLOPs on all ranks (perf/mfu once the step's time is
+    known). Generation counts as one forward pass of the actor over the batch (rollouts drawn and
+    dropped by dynamic sampling not counted); the SFT mix is not counted. A sequence-parallel group
+    shares one batch's work: dp batches in all, 1/sp of one on each rank."""
     lens = batch["attention_mask"].sum(-1)                                        # [b]
     forward = {role: flops.forward(shape, lens) for role, shape in run.shapes.items()}
     trained = {role: 3 * forward[role] * schedule(run.cfg, role).epochs for role in ("actor", "critic")
                if f"time/{role}_s" in updates}
-    passes = 1 if run.cfg.rollout_bypass_mode else 2                              # generation (and old log-probs)
-    done = passes * forward["actor"] + sum(trained.values())
-    done += forward.get("ref", forward["actor"]) if "ref_logprob" in batch else 0.0   # a LoRA actor's base is the ref
-    done += forward["critic"] if "values" in batch else 0.0
-    done += forward.get("reward", 0.0)
+    passes = 0.0 if run.cfg.rollout_bypass_mode else forward["actor"]             # old log-probs
+    passes += forward.get("ref", forward["actor"]) if "ref_logprob" in batch else 0.0   # a LoRA actor's base is the ref
+    passes += forward["critic"] if "values" in batch else 0.0
+    done = forward["actor"] + passes + sum(trained.values()) + forward.get("reward", 0.0)
     sp = ulysses.size()
     out = {f"perf/mfu/{role}": f / sp / (updates[f"time/{role}_s"] * run.peak_flops) for role, f in trained.items()}
+    phases = {"update": sum(trained.values()), "gen": forward["actor"], "forward": passes}
+    out.update({f"perf/mfu/{phase}": f / sp / (times[f"time/{phase}_s"] * run.peak_flops) for phase, f in phases.items()
+                if f and times.get(f"time/{phase}_s")})   # async modes generate elsewhere: no gen phase here
     return {**out, "perf/flops": done * dp}   # the mean over ranks makes it a sum
 
 

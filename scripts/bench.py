@@ -61,7 +61,7 @@ WORKLOADS = {   # name: (config, asset builder, asset dir, default iterations)
     "w3": ("configs/w3.yaml", "scripts/make_w3.py", "runs/w3_assets", 6),
     "w5": ("configs/w5.yaml", "scripts/make_w5.py", "runs/w5_assets", 5),   # one run per --w5_lengths entry
 }
-MFU_KEYS = ("perf/mfu", "perf/mfu/actor", "perf/mfu/critic")
+MFU_KEYS = ("perf/mfu", "perf/mfu/actor", "perf/mfu/critic", "perf/mfu/update", "perf/mfu/gen", "perf/mfu/forward")
 OURS_PHASES = ("gen", "score", "forward", "update", "sync", "log")
 PEER_PHASES = ("gen", "score", "forward", "update", "other")
 # What each side's process imports in a single-process run (train_ppo.py imports most of its stack lazily).

@@ -70,8 +70,11 @@ def test_short_run_writes_the_metrics_contract(short_run):
         assert not missing, f"step {r['step']} lacks {missing}"
         bad = {k: v for k, v in r.items() if not math.isfinite(v)}
         assert not bad, f"step {r['step']} has non-finite {bad}"
-        for key in ("perf/mfu", "perf/mfu/actor", "perf/mfu/critic"):   # a 2-core CPU is far below 1 TFLOPS
+        for key in ("perf/mfu", "perf/mfu/actor", "perf/mfu/critic", "perf/mfu/update", "perf/mfu/gen",
+                    "perf/mfu/forward"):   # a 2-core CPU is far below 1 TFLOPS
             assert 0 < r[key] < 1, (key, r[key])
+        # the update phase holds both updates and more: it cannot beat the better of the two
+        assert r["perf/mfu/update"] <= max(r["perf/mfu/actor"], r["perf/mfu/critic"]) * (1 + 1e-9)
     assert "val/accuracy" in records[2] and "val/accuracy" in records[3]   # test_freq=2 and the last step
     assert "val/accuracy" not in records[1]
     assert records[1]["kl/mean"] == pytest.approx(0.0, abs=1e-6)          # actor == ref before any update
