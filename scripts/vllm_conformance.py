@@ -129,8 +129,11 @@ def compare_reward_model(model_type: str, directory: str) -> dict:
     start = time.perf_counter()
     try:
         served.start(world=1, rank=0)
-    except Exception as e:   # vLLM cannot load or pool it: its own error, first line
-        return {"family": model_type, "status": "unsupported", "error": str(e).split("\n")[0][:300]}
+    except Exception as e:   # vLLM cannot load or pool it: its own error (under the run's), first line
+        e = e.__context__ or e   # Scorer's one-line UserError stands on VLLMClassifier's RuntimeError ...
+        e = e.__cause__ or e     # ... which stands on vLLM's own
+        return {"family": model_type, "status": "unsupported",
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
     started = time.perf_counter() - start
     try:
         scores = served(PromptSet([""] * len(PROMPTS), PROMPTS, {}), responses, batch, micro=len(PROMPTS))
@@ -163,10 +166,10 @@ def run(model_type: str, timeout: float = 600, runner=subprocess.run, reward_mod
 
 def row(r: dict) -> str:
     if "max_rel_diff" in r:
-        return f"{r['family']:<22} {r['status']:<12} {r['max_rel_diff']:.2e}  ({r['scores']} scores, {r['actor_layout']})"
+        return f"{r['family']:<22} {r['status']:<13} {r['max_rel_diff']:.2e}  ({r['scores']} scores, {r['actor_layout']})"
     if r["status"] == "ok":
-        return f"{r['family']:<22} ok           {r['max_abs_diff']:.2e}  ({r['tokens']} tokens, {r['actor_layout']})"
-    return f"{r['family']:<22} {r['status']:<12} {r['error']}"
+        return f"{r['family']:<22} {'ok':<13} {r['max_abs_diff']:.2e}  ({r['tokens']} tokens, {r['actor_layout']})"
+    return f"{r['family']:<22} {r['status']:<13} {r['error']}"
 
 
 def main():
