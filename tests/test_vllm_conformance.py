@@ -34,6 +34,22 @@ def test_vllm_sampler_logprobs_equal_the_actors_on_the_same_tokens(model_type):
     assert result["max_abs_diff"] < TOL, result
 
 
+@pytest.mark.slow   # one vLLM pooling engine start per family
+@pytest.mark.parametrize("model_type", [
+    "llama",     # full attention, rotary
+    "mistral",   # sliding window of 4 tokens on every layer
+    "gemma2",    # attention and final-logit soft-caps (the latter on the LM head only, not the score head)
+])
+def test_served_reward_model_scores_equal_the_trained_stacks(model_type):
+    """reward_model_engine=vllm against reward_model_scores on the family's sequence classifier
+    (pad = EOS, sequences with and without a final EOS): fp32 on both sides, so "ok" is agreement to
+    test_served_rm's tolerance (rtol 1e-5); a score read one token off, or a lost window or
+    soft-cap, moves them by far more (the head's outputs are a few units)."""
+    result = vllm_conformance.run(model_type, timeout=600, runner=forkserver.run, reward_model=True)
+    assert result["status"] == "ok", result
+    assert result["scores"] == len(vllm_conformance.PROMPTS), result
+
+
 @pytest.mark.slow   # one vLLM engine start and a one-step run
 @pytest.mark.parametrize("bypass", ["false", "true"])
 def test_a_run_on_a_family_vllm_computes_differently_says_so_on_its_first_step(tmp_path, bypass):
