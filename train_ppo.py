@@ -993,6 +993,22 @@ def validate_and_log(run: Run, step: int, metrics: dict, bar, postfix: dict) -> 
         tracker.log_curves()
 
 
+def release_training_state(run: Run) -> None:
+    """After the last step the optimizers' states, the critic, the reference and the reward model
+    are freed: the final save and MLflow's model logging then reuse that memory instead of raising
+    the run's peak (W3's run peaked there, above its updates). DeepSpeed engines stay as they are:
+    their teardown is a collective of their own."""
+    if run.ds:
+        return
+    for _, optim, _ in run.trained.values():
+        optim.state.clear()
+    run.trained = {"actor": run.trained["actor"]}
+    run.critic = run.ref = run.scorer.reward_model = None
+    # Accelerate's own lists of what it prepared (the actor is still the run's); then a collection, so
+    # modules in reference cycles (patched forwards) go now
+    run.accelerator.free_memory()
+
+
 def checkpoint(run: Run, step: int) -> None:
     """Everything needed to resume exactly: models, optimizers, KL controller, data positions, guards."""
     cfg, accelerator, tracker, guards = run.cfg, run.accelerator, run.tracker, run.guards
@@ -1069,6 +1085,7 @@ def main(cfg: Config) -> None:
             step += 1
             bar.update(1)
 
+        release_training_state(run)
         final_dir = save_final(accelerator, run.actor, run.tokenizer, Path(cfg.output_dir), run.ds, cfg.lora_save_merged)
         if final_dir is not None:   # the main process: the model card, before MLflow takes final/
             model_card.write_final_cards(final_dir, dataclasses.asdict(cfg), tracker.history)

@@ -165,3 +165,44 @@ def test_every_rank_logs_the_largest_peak_of_any_rank(tmp_path):
     assert ranks[0]["reduced"] == ranks[1]["reduced"], ranks
     assert ranks[1]["reduced"][gen] == ranks[0]["mine"][gen]
     assert set(ranks[0]["reduced"]) >= {gen, "perf/peak_rss_gb/update", "perf/peak_rss_gb", "perf/peak_rss_gb/setup"}
+
+
+RELEASE = """
+import gc, json, sys, weakref
+sys.path.insert(0, sys.argv[1])
+import train_ppo
+import config
+
+run = train_ppo.setup(config.load_config(sys.argv[3:]))
+train_ppo.train_step(run, 1)   # the optimizers now hold their states
+states = {role: len(optim.state) for role, (_, optim, _) in run.trained.items()}
+gone = {name: weakref.ref(getattr(run, name)) for name in ("critic", "ref")}
+optims = [optim for _, optim, _ in run.trained.values()]
+train_ppo.release_training_state(run)
+gc.collect()
+final = train_ppo.save_final(run.accelerator, run.actor, run.tokenizer, run.tracker.out_dir, run.ds)
+run.tracker.finish("FINISHED", None)
+run.engine.shutdown()
+print("RELEASED " + json.dumps({"states_before": states, "states_after": [len(o.state) for o in optims],
+                                "alive": [name for name, ref in gone.items() if ref() is not None],
+                                "trained": sorted(run.trained), "final": (final / "config.json").is_file()}))
+"""
+
+
+def test_the_run_frees_its_training_state_before_the_final_save(tmp_path):
+    """After the last step the optimizers' states, the critic and the reference are let go (nothing
+    else holds them: they are collected), so the final save and MLflow's model logging reuse that
+    memory; the actor is still there to be saved."""
+    import json
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", RELEASE, str(ROOT), "unused", f"--output_dir={out}",
+                           "--train_batch_size=8", "--ppo_mini_batch_size=8", "--val_before_train=false",
+                           "--test_freq=-1", "--max_response_length=8", "--total_training_steps=1",
+                           f"--mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.split("RELEASED ", 1)[1])
+    assert got["states_before"]["actor"] > 0 and got["states_before"]["critic"] > 0, got
+    assert got["states_after"] == [0, 0], got
+    assert got["alive"] == [], got
+    assert got["trained"] == ["actor"] and got["final"], got
