@@ -169,12 +169,17 @@ def test_every_rank_logs_the_largest_peak_of_any_rank(tmp_path):
 
 RELEASE = """
 import gc, json, sys, weakref
+import torch
 sys.path.insert(0, sys.argv[1])
 import train_ppo
 import config
 
 run = train_ppo.setup(config.load_config(sys.argv[3:]))
-train_ppo.train_step(run, 1)   # the optimizers now hold their states
+for model, optim, _ in run.trained.values():   # one real AdamW step each: the optimizers now hold their states
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optim.step()
+del model, p   # the driver's own references
 states = {role: len(optim.state) for role, (_, optim, _) in run.trained.items()}
 gone = {name: weakref.ref(getattr(run, name)) for name in ("critic", "ref")}
 optims = [optim for _, optim, _ in run.trained.values()]
@@ -197,7 +202,7 @@ def test_the_run_frees_its_training_state_before_the_final_save(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-c", RELEASE, str(ROOT), "unused", f"--output_dir={out}",
                            "--train_batch_size=8", "--ppo_mini_batch_size=8", "--val_before_train=false",
-                           "--test_freq=-1", "--max_response_length=8", "--total_training_steps=1",
+                           "--test_freq=-1", "--total_training_steps=1", "--rollout_engine=hf",
                            f"--mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
                           cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

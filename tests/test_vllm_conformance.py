@@ -34,9 +34,8 @@ def test_vllm_sampler_logprobs_equal_the_actors_on_the_same_tokens(model_type):
     assert result["max_abs_diff"] < TOL, result
 
 
-@pytest.mark.slow   # one vLLM pooling engine start per family
+@pytest.mark.slow   # one vLLM pooling engine start per family (full attention: test_served_rm.py's Qwen2 family)
 @pytest.mark.parametrize("model_type", [
-    "llama",     # full attention, rotary
     "mistral",   # sliding window of 4 tokens on every layer
     "gemma2",    # attention and final-logit soft-caps (the latter on the LM head only, not the score head)
 ])
