@@ -717,6 +717,8 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
         bonus = tools.bonus(cfg.tool_call_bonus) if tools and cfg.tool_call_bonus else None
         shaped = shape_scores(cfg, scores, sampled.responses, truncated.to(device), ~nonfinite, bonus)   # [b]
         token_scores = place_scores(shaped, mask, cfg.reward_placement, cfg.reward_decay)
+        # the frozen models' weights, mapped from their files, leave the resident set between their passes
+        host_memory.release_file_pages(run.scorer.reward_model)
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic); an OOM redoes them
     with timed(times, "forward"), run.autocast():
@@ -771,6 +773,7 @@ def forward_passes(run: Run, batch: dict, temperature: float) -> torch.Tensor | 
     ref_passes = dict(passes, size=size, max_tokens=budget)
     if run.ref is not None:
         batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.ref)), batch, **ref_passes)
+        host_memory.release_file_pages(run.ref)
     elif cfg.lora_rank and (cfg.use_kl_in_reward or cfg.use_kl_loss):
         with _unwrap(run.actor).disable_adapter():   # the base model is the reference
             batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.actor)), batch, **ref_passes)

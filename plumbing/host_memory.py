@@ -41,6 +41,7 @@ from contextlib import contextmanager
 import ctypes
 import ctypes.util
 
+import numpy as np
 import torch
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameter numbers (malloc.h)
@@ -61,6 +62,7 @@ def set_malloc(threshold_mb: float) -> bool:
     if threshold_mb > 0:
         return bool(mallopt(M_MMAP_THRESHOLD, int(threshold_mb * 2**20)))
     return bool(mallopt(M_MMAP_THRESHOLD, LARGEST_THRESHOLD_MB << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
 
 
 GB = 1e9   # the metrics' unit, as scripts/bench.py reports peak RSS
@@ -165,3 +167,64 @@ def peak_memory_gb() -> float:
     over the whole run (PEAKS keeps it across the per-phase resets)."""
     key = "perf/peak_cuda_gb" if torch.cuda.is_available() else "perf/peak_rss_gb"
     return PEAKS.run_peaks()[key] * GB / 2**30
+
+
+
+MADV_DONTNEED = 4   # Linux madvise advice: drop the range's pages from this process (file pages stay cached)
+
+
+def _private_file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's private mappings of files, from /proc/self/maps."""
+    regions = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[1].endswith("p") and fields[5].startswith("/"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                regions.append((start, end))
+    return regions
+
+
+def _file_pages(start: int, end: int) -> int | None:
+    """The bytes of [start, end) resident as the file's own pages, from /proc/self/pagemap; None
+    where any page is the process's own (present but not a file page: copied on write; or swapped)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(start // page * 8)
+        entries = np.frombuffer(pagemap.read((end - start) // page * 8), dtype=np.uint64)
+    present, swapped, file = ((entries >> np.uint64(bit)) & np.uint64(1) for bit in (63, 62, 61))
+    if swapped.any() or (present & ~file & np.uint64(1)).any():
+        return None
+    return int(present.sum()) * page
+
+
+def release_file_pages(*modules) -> int:
+    """Drops from this process's resident memory the pages of the modules' weights that are still
+    the files' own: -> the bytes dropped. Transformers loads safetensors weights by mapping the file
+    (private, copy-on-write), so a frozen model's weights (the reference, the reward model) are
+    page-cache pages that the process maps, counted in its resident size although nothing was ever
+    written to them. Between their passes nothing reads them: madvise(MADV_DONTNEED) unmaps them,
+    the page cache keeps them (the kernel may reclaim them without writing anything), and the next
+    pass maps them again from the cache, minor page faults, the same bytes. Only a mapping none of
+    whose pages was written qualifies (/proc/self/pagemap: every present page a file page; a page
+    copied on write would be lost, so trained weights are never touched), and only where the
+    weights lie in a file mapping: converted weights (another dtype), DeepSpeed's partitions and GPU
+    tensors are the process's own memory and stay. Linux only; elsewhere nothing is done (0)."""
+    if sys.platform != "linux":
+        return 0
+    pointers = {t.untyped_storage().data_ptr() for m in modules if m is not None
+                for t in (*m.parameters(), *m.buffers()) if t.device.type == "cpu" and t.numel()}
+    if not pointers:
+        return 0
+    try:
+        regions = [(start, end) for start, end in _private_file_mappings() if any(start <= p < end for p in pointers)]
+        madvise = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        dropped = 0
+        for start, end in regions:
+            resident = _file_pages(start, end)
+            if resident and madvise(start, end - start, MADV_DONTNEED) == 0:
+                dropped += resident
+        return dropped
+    except (OSError, AttributeError):   # no /proc (a sandbox), no libc
+        return 0

@@ -211,3 +211,100 @@ def test_the_run_frees_its_training_state_before_the_final_save(tmp_path):
     assert got["states_after"] == [0, 0], got
     assert got["alive"] == [], got
     assert got["trained"] == ["actor"] and got["final"], got
+
+
+FILE_PAGES = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+from plumbing import host_memory
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+path, out = sys.argv[1], {}
+cfg = Qwen2Config(vocab_size=16384, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+ids = torch.arange(3, 40)[None]
+def logits(model):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+out["weights"] = sum(p.numel() * 4 for p in model.parameters())
+before = logits(model)
+resident = rss()
+out["dropped"] = host_memory.release_file_pages(model)
+out["rss_fell"] = resident - rss()
+out["dropped_again"] = host_memory.release_file_pages(model)    # nothing resident left to drop
+out["same_after"] = torch.equal(logits(model), before)            # mapped again from the page cache
+with torch.no_grad():
+    model.model.layers[0].mlp.up_proj.weight.add_(1.0)          # written: its page is the process's own now
+written = logits(model)
+out["dropped_written"] = host_memory.release_file_pages(model)
+out["write_kept"] = torch.equal(logits(model), written) and not torch.equal(written, before)
+converted = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)   # a copy in another dtype
+logits(converted)
+out["dropped_converted"] = host_memory.release_file_pages(converted)
+out["nothing"] = host_memory.release_file_pages(None)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's /proc/self/maps and pagemap")
+def test_frozen_weights_leave_resident_memory_and_come_back_the_same(tmp_path):
+    """A model loaded from safetensors (mapped, 8.9 MB of weights) after a forward pass: its pages
+    leave the process's resident set (the bytes reported, VmRSS falls as much) and the next pass
+    gives the same logits bit for bit. A mapping with a written page is left alone (dropping it would
+    lose the write), and so are weights that are the process's own copy (loaded in another dtype)."""
+    import json
+    proc = subprocess.run([sys.executable, "-c", FILE_PAGES, str(tmp_path / "model")], cwd=ROOT, capture_output=True,
+                          text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["dropped"] >= 0.95 * got["weights"], got          # the whole file is mapped; all of it was read
+    assert got["rss_fell"] >= 0.9 * got["dropped"], got
+    assert got["same_after"], got
+    assert got["dropped_again"] == 0, got
+    assert got["dropped_written"] == 0 and got["write_kept"], got
+    assert got["dropped_converted"] == 0 and got["nothing"] == 0, got
+
+
+RESIDENT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import train_ppo
+import config
+from plumbing import host_memory
+
+def resident(model):   # bytes of the file mappings that hold the model's weights, resident as the file's pages
+    pointers = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(host_memory._file_pages(start, end) or 0 for start, end in host_memory._private_file_mappings()
+               if any(start <= p < end for p in pointers))
+
+run = train_ppo.setup(config.load_config(sys.argv[3:]))
+seen = {"weights": sum(p.numel() * p.element_size() for p in run.ref.parameters()), "setup": resident(run.ref)}
+update_critic = train_ppo.update_critic
+def update(*args, **kwargs):   # the update, the phase that sets the run's peak
+    seen["update"] = resident(run.ref)
+    return update_critic(*args, **kwargs)
+train_ppo.update_critic = update
+train_ppo.train_step(run, 1)
+run.tracker.finish("FINISHED", None)
+run.engine.shutdown()
+print("RESIDENT " + json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's /proc/self/maps and pagemap")
+def test_the_reference_is_not_resident_during_the_update(tmp_path):
+    """The demo's reference (the policy's file, mapped at load) is resident after setup and out of the
+    resident set when the update starts: its pass is over, and the update does not read it."""
+    import json
+    proc = subprocess.run([sys.executable, "-c", RESIDENT, str(ROOT), "unused", f"--output_dir={tmp_path / 'run'}",
+                           "--train_batch_size=8", "--ppo_mini_batch_size=8", "--val_before_train=false",
+                           "--test_freq=-1", "--total_training_steps=1", "--rollout_engine=hf",
+                           f"--mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.split("RESIDENT ", 1)[1])
+    assert got["setup"] >= 0.95 * got["weights"], got
+    assert got["update"] == 0, got
