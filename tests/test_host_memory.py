@@ -194,19 +194,23 @@ print("RELEASED " + json.dumps({"states_before": states, "states_after": [len(o.
 """
 
 
-def test_the_run_frees_its_training_state_before_the_final_save(tmp_path):
-    """After the last step the optimizers' states, the critic and the reference are let go (nothing
-    else holds them: they are collected), so the final save and MLflow's model logging reuse that
-    memory; the actor is still there to be saved."""
+def demo_probe(script: str, marker: str, tmp_path) -> dict:
+    """Runs a probe script on one step of the demo's setup (the hf engine) -> the JSON it printed after marker."""
     import json
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", RELEASE, str(ROOT), "unused", f"--output_dir={out}",
+    proc = subprocess.run([sys.executable, "-c", script, str(ROOT), "unused", f"--output_dir={tmp_path / 'run'}",
                            "--train_batch_size=8", "--ppo_mini_batch_size=8", "--val_before_train=false",
                            "--test_freq=-1", "--total_training_steps=1", "--rollout_engine=hf",
                            f"--mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
                           cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.split("RELEASED ", 1)[1])
+    return json.loads(proc.stdout.split(marker + " ", 1)[1])
+
+
+def test_the_run_frees_its_training_state_before_the_final_save(tmp_path):
+    """After the last step the optimizers' states, the critic and the reference are let go (nothing
+    else holds them: they are collected), so the final save and MLflow's model logging reuse that
+    memory; the actor is still there to be saved."""
+    got = demo_probe(RELEASE, "RELEASED", tmp_path)
     assert got["states_before"]["actor"] > 0 and got["states_before"]["critic"] > 0, got
     assert got["states_after"] == [0, 0], got
     assert got["alive"] == [], got
@@ -298,13 +302,6 @@ print("RESIDENT " + json.dumps(seen))
 def test_the_reference_is_not_resident_during_the_update(tmp_path):
     """The demo's reference (the policy's file, mapped at load) is resident after setup and out of the
     resident set when the update starts: its pass is over, and the update does not read it."""
-    import json
-    proc = subprocess.run([sys.executable, "-c", RESIDENT, str(ROOT), "unused", f"--output_dir={tmp_path / 'run'}",
-                           "--train_batch_size=8", "--ppo_mini_batch_size=8", "--val_before_train=false",
-                           "--test_freq=-1", "--total_training_steps=1", "--rollout_engine=hf",
-                           f"--mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
-                          cwd=tmp_path, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.split("RESIDENT ", 1)[1])
+    got = demo_probe(RESIDENT, "RESIDENT", tmp_path)
     assert got["setup"] >= 0.95 * got["weights"], got
     assert got["update"] == 0, got
