@@ -34,6 +34,11 @@ report, so after a reset they no longer hold the run's peak: before each reset t
 and folded into the run's peak and into every phase open around it (nested phases stay right), and
 peak_memory_gb() and scripts/bench.py read that. On CUDA the allocator's peak
 (torch.cuda.max_memory_allocated) is handled the same way with torch.cuda.reset_peak_memory_stats.
+
+The frozen models' weights, mapped from their safetensors files, leave the resident set between their
+passes (train_ppo.py calls it after scoring and after the reference's pass):
+
+    host_memory.release_file_pages(run.ref)    # -> bytes dropped; the page cache keeps them
 """
 import os
 import sys
@@ -62,7 +67,6 @@ def set_malloc(threshold_mb: float) -> bool:
     if threshold_mb > 0:
         return bool(mallopt(M_MMAP_THRESHOLD, int(threshold_mb * 2**20)))
     return bool(mallopt(M_MMAP_THRESHOLD, LARGEST_THRESHOLD_MB << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-
 
 
 GB = 1e9   # the metrics' unit, as scripts/bench.py reports peak RSS
@@ -167,7 +171,6 @@ def peak_memory_gb() -> float:
     over the whole run (PEAKS keeps it across the per-phase resets)."""
     key = "perf/peak_cuda_gb" if torch.cuda.is_available() else "perf/peak_rss_gb"
     return PEAKS.run_peaks()[key] * GB / 2**30
-
 
 
 MADV_DONTNEED = 4   # Linux madvise advice: drop the range's pages from this process (file pages stay cached)
