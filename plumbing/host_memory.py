@@ -53,6 +53,11 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameter number
 LARGEST_THRESHOLD_MB = 32                     # glibc's upper limit for M_MMAP_THRESHOLD on 64-bit hosts
 
 
+def _libc():
+    """The C library (raises OSError where there is none to load)."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def set_malloc(threshold_mb: float) -> bool:
     """threshold_mb > 0: blocks of that many MiB and more go back to the OS when freed; 0: freed
     blocks stay for reuse (see above); < 0: glibc's own default, untouched. -> whether glibc took
@@ -60,7 +65,7 @@ def set_malloc(threshold_mb: float) -> bool:
     if threshold_mb < 0:
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = _libc()
         mallopt = libc.mallopt
     except (OSError, AttributeError):   # not glibc
         return False
@@ -221,7 +226,7 @@ def release_file_pages(*modules) -> int:
         return 0
     try:
         regions = [(start, end) for start, end in _private_file_mappings() if any(start <= p < end for p in pointers)]
-        madvise = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+        madvise = _libc().madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         dropped = 0
         for start, end in regions:
