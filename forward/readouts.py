@@ -9,7 +9,7 @@ from contextlib import nullcontext
 import torch
 
 from core_algos import entropy_from_logits
-from forward import packing, ulysses
+from forward import last_layer, packing, ulysses
 from forward.batch import spread
 from forward.head_logprobs import head_logprobs, support_logprobs, truncated_logprobs
 
@@ -42,7 +42,7 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
         W = batch["input_ids"].shape[1]
         keep = (packed.response_index.reshape(-1)[real] if packed is not None    # [n] or, every row's, [R]
                 else torch.arange(W - R - 1, W - 1, device=batch["input_ids"].device))
-        out = _forward(model, batch, packed, logits_to_keep=keep)
+        out = _forward(model, batch, packed, _rows_of(batch, packed, keep), logits_to_keep=keep)
     finally:
         if hook is not None:
             hook.remove()
@@ -228,13 +228,26 @@ def _packed(model, batch: dict):
     return None
 
 
-def _forward(model, batch: dict, packed, **kwargs):
-    """model on a micro-batch: packed into one row (`packed`, from packing.pack), or padded."""
-    if packed is None:
-        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                     position_ids=batch["position_ids"], use_cache=False, **kwargs)
-    with packing.attention():
-        return model(**packed.model_inputs(), use_cache=False, **kwargs)
+def _forward(model, batch: dict, packed, read=None, **kwargs):
+    """model on a micro-batch: packed into one row (`packed`, from packing.pack), or padded. read: the
+    flat positions whose outputs the caller reads (_rows_of), where the last layer's MLP runs (last_layer)."""
+    shape = tuple((packed.input_ids if packed is not None else batch["input_ids"]).shape)
+    with last_layer.rows(model, read, shape):
+        if packed is None:
+            return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         position_ids=batch["position_ids"], use_cache=False, **kwargs)
+        with packing.attention():
+            return model(**packed.model_inputs(), use_cache=False, **kwargs)
+
+
+def _rows_of(batch: dict, packed, positions):
+    """The flat positions of the model's input that the caller reads: packed, `positions` are the
+    row's ([...]); padded, each sequence's own ([B, k], or [k] for every sequence alike)."""
+    if packed is not None:
+        return positions.reshape(-1)
+    B, W = batch["input_ids"].shape
+    positions = positions.expand(B, -1) if positions.dim() == 1 else positions     # [B, k]
+    return (torch.arange(B, device=positions.device)[:, None] * W + positions).reshape(-1)
 
 
 def _unwrap(model):
@@ -263,7 +276,9 @@ def critic_values(critic, batch: dict):
         return _sharded_per_position(critic, packed, packed.response_index)[..., 0]       # [B, R]
     R = batch["responses"].shape[1]
     packed = _packed(critic, batch)
-    out = _forward(critic, batch, packed)
+    W = batch["input_ids"].shape[1]
+    read = packed.response_index if packed is not None else torch.arange(W - R - 1, W - 1, device=batch["input_ids"].device)
+    out = _forward(critic, batch, packed, _rows_of(batch, packed, read))
     if packed is not None:
         return out.logits[0, packed.response_index, 0].float()                    # [B, R]
     return out.logits[:, -R - 1:-1, 0].float()                                    # [B, R]
@@ -281,16 +296,16 @@ def reward_model_scores(reward_model, batch: dict):
     captured = []
     hook = head.register_forward_hook(lambda module, args, out: captured.append(out))
     packed = _packed(reward_model, batch)
+    mask = batch["attention_mask"]
+    last = packed.last_index if packed is not None else \
+        (torch.arange(mask.shape[1], device=mask.device) * mask).argmax(-1)      # [B]
     try:
-        _forward(reward_model, batch, packed)
+        _forward(reward_model, batch, packed, _rows_of(batch, packed, last if packed is not None else last[:, None]))
     finally:
         hook.remove()
     per_token = captured[0][..., 0].float()                                       # [B, W] or [1, T]
     if packed is not None:
-        return per_token[0, packed.last_index]                                    # [B]
-    mask = batch["attention_mask"]
-    positions = torch.arange(mask.shape[1], device=mask.device)                   # [W]
-    last = (positions * mask).argmax(-1)                                          # [B]
+        return per_token[0, last]                                                 # [B]
     return per_token[torch.arange(mask.shape[0], device=mask.device), last]      # [B]
 
 
