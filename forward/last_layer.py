@@ -1,30 +1,32 @@
-"""The last decoder layer's MLP on the rows a pass reads, not on every row.
+"""The last decoder layer's MLP and attention output projection on the rows a pass reads only.
 
 A pass reads the model's output at some positions only: the actor's and the ref's where a position
 predicts a response token, the critic's at the states before them, the reward model's at each
 sequence's last token. Inside the last decoder layer the other positions reach those only through
-the attention's keys and values; the MLP after the attention works row by row, so its output at
-a row reaches that row alone. There it runs on the rows read, and its output elsewhere is 0 (the
-rows nobody reads keep finite numbers: the residual and the attention's output). On W3, whose
-prompts are two thirds of a sequence, that is two thirds of the last layer's MLP, forward and
-backward; for the reward model nearly all of it.
+the attention's keys and values; the attention's output projection and the MLP after it work row by
+row, so their output at a row reaches that row alone. There they run on the rows read, and their
+output elsewhere is 0 (the rows nobody reads keep finite numbers: the residual's). On W3, whose
+prompts are two thirds of a sequence, that is two thirds of the last layer's MLP and output
+projection, forward and backward; for the reward model nearly all of them.
 
-    modules = decide(model)                  # at load: the last layer's row-wise modules, proven on the model
-    with rows(model, index):                 # index: the flat positions (of [B * T]) the pass reads
+    decide(model)                            # at load: the last layer's row-wise modules, proven on the model
+    with rows(model, index, (B, T)):         # index: the flat positions (of [B * T]) the pass reads
         out = model(...)                     # exact at those positions
 
-Which modules qualify is decided on the model itself at load (`decide`): the candidates are the last
+Which modules qualify is decided on the model itself at load (`decide`). The candidates are the last
 layer's children by the names the families give their MLP (mlp, feed_forward, ffn, block_sparse_moe,
-shared_mlp, mlp_block; every input of theirs laid out per position is cut to the read rows), and the model's output at a probe's read positions must come out the same with
-them restricted as without. A family whose MLP mixes positions (a convolution beside it), or whose
-last layer has none of these, keeps the full layer. Parameters partitioned at load (ZeRO-3 init)
-cannot run the probe: those models keep the full layer.
+shared_mlp, mlp_block; every input of theirs laid out per position is cut to the read rows), then
+its attention's output projection (o_proj, out_proj, dense, c_proj); each is kept where the model's
+output at a probe's read positions comes out the same with it restricted as without. A family whose
+MLP mixes positions (a convolution beside it), or whose last layer has none of these, keeps the
+whole layer; so do parameters partitioned at load (ZeRO-3 init), which cannot run the probe.
 """
 from contextlib import contextmanager
 
 import torch
 
 ROWWISE = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "shared_mlp", "mlp_block")
+ATTENTION, OUTPUT = ("self_attn", "attn", "attention", "self_attention"), ("o_proj", "out_proj", "dense", "c_proj")
 ATTRIBUTE = "rows_read_modules"     # set on the Hugging Face model by decide
 
 
@@ -39,29 +41,34 @@ def last_layer(model):
 def decide(model, tolerance: float | None = None) -> list:
     """The last layer's modules that may run on the read rows alone (possibly none), proven on an
     8-token probe: the output at three of its positions, the last among them, with those modules
-    restricted must equal the plain output. Stored on the model for `rows`."""
+    restricted must equal the plain output. The MLP first, then the attention's output projection,
+    each kept only where the probe holds with it. Stored on the model for `rows`."""
     found = []
     layer = last_layer(model)
-    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-    if layer is not None and not partitioned:
-        candidates = [getattr(layer, name) for name in ROWWISE if isinstance(getattr(layer, name, None), torch.nn.Module)]
-        if candidates:
-            vocab = model.get_input_embeddings().weight.shape[0]
-            device = model.get_input_embeddings().weight.device
-            ids = (torch.arange(3, 11, device=device) * 7 % vocab)[None]                 # [1, 8]
-            index = torch.tensor([2, 5, 7], device=device)
-            plain = _read(model(input_ids=ids, use_cache=False).logits, index)
-            try:
-                with _restricted(candidates, index, ids.shape):
-                    mine = _read(model(input_ids=ids, use_cache=False).logits, index)
-            except Exception:                                                           # a module that needs every row
-                mine = None
-            if tolerance is None:
-                tolerance = 1e-5 if plain.dtype == torch.float32 else 2e-2
-            if mine is not None and mine.shape == plain.shape and bool(plain.isfinite().all()):
-                error = float((mine - plain).abs().max()) / max(1.0, float(plain.abs().max()))
-                if error <= tolerance:
-                    found = candidates
+    if layer is None or any(hasattr(p, "ds_id") for p in model.parameters()):
+        setattr(model, ATTRIBUTE, found)
+        return found
+    attentions = [getattr(layer, name) for name in ATTENTION if isinstance(getattr(layer, name, None), torch.nn.Module)]
+    groups = ([getattr(layer, name) for name in ROWWISE if isinstance(getattr(layer, name, None), torch.nn.Module)],
+              [getattr(a, name) for a in attentions for name in OUTPUT if isinstance(getattr(a, name, None), torch.nn.Module)])
+    vocab = model.get_input_embeddings().weight.shape[0]
+    device = model.get_input_embeddings().weight.device
+    ids = (torch.arange(3, 11, device=device) * 7 % vocab)[None]                        # [1, 8]
+    index = torch.tensor([2, 5, 7], device=device)
+    plain = _read(model(input_ids=ids, use_cache=False).logits, index)
+    if tolerance is None:
+        tolerance = 1e-5 if plain.dtype == torch.float32 else 2e-2
+    for group in groups:
+        if not group or not bool(plain.isfinite().all()):
+            continue
+        try:
+            with _restricted(found + group, index, tuple(ids.shape)):
+                mine = _read(model(input_ids=ids, use_cache=False).logits, index)
+        except Exception:                                                               # a module that needs every row
+            continue
+        if mine.shape == plain.shape and \
+                float((mine - plain).abs().max()) / max(1.0, float(plain.abs().max())) <= tolerance:
+            found = found + group
     setattr(model, ATTRIBUTE, found)
     return found
 
