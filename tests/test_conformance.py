@@ -195,6 +195,27 @@ def test_hf_engine_in_waves_samples_what_one_call_does(model_type, saved, monkey
         torch.testing.assert_close(torch.tensor(drawn), own, **TOL)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "cohere", "granite", "gpt2"])
+def test_hf_engine_packed_prefill_samples_what_the_padded_one_does(model_type, saved, monkeypatch):
+    """The prompts' keys and values computed packed (rollout/hf.py's packed_prefill, one prompt of
+    a single token among them) instead of by generate()'s padded prefill: the same responses, the
+    same log-probs, and the packed path was the one taken."""
+    import rollout.hf as hf
+    tokenizer, actor, _, _, _ = load_models(Config(model_path=str(saved(model_type)), remove_padding=True))
+    taken, packed_prefill = [], hf.packed_prefill
+    runs = {}
+    for packed in (True, False):
+        monkeypatch.setattr(hf, "packed_prefill", (lambda *args: taken.append(packed_prefill(*args)) or taken[-1])
+                            if packed else (lambda *args: False))
+        torch.manual_seed(0)
+        runs[packed] = HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id).generate(
+            PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert taken == [True]
+    assert runs[True].responses == runs[False].responses
+    for a, b in zip(runs[True].logprobs, runs[False].logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **TOL)
+
+
 @pytest.mark.parametrize("head", ["chunked", "model's own logits"])
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_positions_after_a_shorter_response_read_zero_and_the_rest_stays_exact(saved, monkeypatch, layout, head):
