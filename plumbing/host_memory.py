@@ -236,3 +236,43 @@ def release_file_pages(*modules) -> int:
         return dropped
     except (OSError, AttributeError):   # no /proc (a sandbox), no libc
         return 0
+
+
+@contextmanager
+def embedding_gradient_kept(model, on: bool = True):
+    """For the length of an update on a CPU, one process without DeepSpeed (on): the trained model's
+    input embedding gives sparse gradients (the rows of its micro-batch's tokens) instead of a dense
+    [V, H] one per micro-batch, which costs a fresh block (a 32k x 256 fp32 block is just above
+    glibc's largest mmap threshold: mapped and zeroed through 8,192 page faults each time), a pass to
+    zero it and a full add into the gradient. Where the LM head's dense gradient reaches the same
+    (tied) weight, the rows are added into that; where the sparse rows come alone, into one dense
+    block made at the first of them and zeroed again after each optimizer step (the optimizer and
+    the norm clipping read dense gradients). The sums are the dense gradient's. Left as it is: an
+    embedding that is not a plain nn.Embedding, one with max_norm, a frozen one (LoRA), GPU weights,
+    several processes (DDP and DeepSpeed reduce dense gradients)."""
+    while hasattr(model, "module"):
+        model = model.module
+    embedding = model.get_input_embeddings() if on else None
+    if (type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None
+            or not embedding.weight.requires_grad or embedding.weight.device.type != "cpu"):
+        yield
+        return
+    weight = embedding.weight
+    kept = []                                                                     # the dense block, once made
+
+    def densify(grad):                                                            # before it is accumulated
+        if grad.is_sparse and weight.grad is None:
+            if not kept:
+                kept.append(torch.zeros_like(weight))                             # [V, H]
+            weight.grad = kept[0].zero_()
+        return grad
+
+    sparse, embedding.sparse = embedding.sparse, True
+    hook = weight.register_hook(densify)
+    try:
+        yield
+    finally:
+        hook.remove()
+        embedding.sparse = sparse
+        if kept and weight.grad is kept[0]:
+            weight.grad = None

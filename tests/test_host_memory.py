@@ -306,3 +306,56 @@ def test_the_reference_is_not_resident_during_the_update(tmp_path):
     got = demo_probe(RESIDENT, "RESIDENT", tmp_path)
     assert got["setup"] >= 0.95 * got["weights"], got
     assert got["update"] == 0, got
+
+
+def embedding_case(tied: bool):
+    """A tiny Qwen2 LM (tied: the LM head's weight is the input embedding's) or value model, and a
+    loss over two micro-batches of different tokens."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied, num_labels=1)
+    model = (Qwen2ForCausalLM if tied else Qwen2ForTokenClassification)(config).eval()
+    micro = [torch.randint(0, 300, (2, 7)), torch.randint(0, 300, (3, 5))]
+    return model, micro
+
+
+def embedding_steps(model, micro, kept: bool):
+    """Two optimizer steps of two micro-batches each -> (each step's gradients, the embedding
+    gradient's storage at each step, whether it was dense)."""
+    import contextlib
+    import torch
+    from plumbing import host_memory
+    weight = model.get_input_embeddings().weight
+    grads, storages, dense = [], [], []
+    context = host_memory.embedding_gradient_kept(model) if kept else contextlib.nullcontext()
+    with context:
+        for _ in range(2):
+            for ids in micro:
+                model(input_ids=ids).logits.square().mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            storages.append(weight.grad.data_ptr())
+            dense.append(weight.grad.layout == torch.strided)
+            model.zero_grad(set_to_none=True)                                      # as optimizer_step does
+    return grads, storages, dense
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied LM head", "value model"])
+def test_a_kept_embedding_gradient_gives_the_dense_gradients(tied):
+    """The embedding's sparse rows, added into the LM head's gradient (tied) or into one dense block
+    kept through the update (a value model): the gradients of the dense path, dense where the
+    optimizer reads them; the value model's block is the same one at every step; afterwards the
+    embedding is dense again and holds no gradient of the context's."""
+    import torch
+    model, micro = embedding_case(tied)
+    dense_grads, _, _ = embedding_steps(model, micro, kept=False)
+    kept_grads, storages, layouts = embedding_steps(model, micro, kept=True)
+    for step_dense, step_kept in zip(dense_grads, kept_grads):
+        for a, b in zip(step_kept, step_dense):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert all(layouts)
+    if not tied:
+        assert storages[0] == storages[1]
+    embedding = model.get_input_embeddings()
+    assert not embedding.sparse and embedding.weight.grad is None
