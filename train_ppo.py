@@ -910,15 +910,13 @@ def train_step(run: Run, step: int) -> dict:
     with timed(times, "update"):
         if run.critic is not None:
             critic, critic_optim, critic_sched = run.trained["critic"]
-            with recompute_activations(critic, critic_checkpointing(cfg), cfg.activation_offload), timed(updates, "critic"), \
-                    host_memory.embedding_gradient_kept(critic, not run.ds and accelerator.num_processes == 1):
+            with recompute_activations(critic, critic_checkpointing(cfg), cfg.activation_offload), timed(updates, "critic"):
                 metrics.update(update_critic(accelerator, critic, critic_optim, batch, cfg, run.autocast, run.ds,
                                              oom=run.oom))
             critic_sched.step()
         if step >= cfg.critic_warmup:   # verl: update the actor once global_steps >= critic_warmup
             actor, actor_optim, actor_sched = run.trained["actor"]
-            with recompute_activations(actor, cfg.gradient_checkpointing, cfg.activation_offload), timed(updates, "actor"), \
-                    host_memory.embedding_gradient_kept(actor, not run.ds and accelerator.num_processes == 1):
+            with recompute_activations(actor, cfg.gradient_checkpointing, cfg.activation_offload), timed(updates, "actor"):
                 metrics.update(update_actor(accelerator, actor, actor_optim, batch, cfg, run.autocast, run.ds, run.sft,
                                             temperature, run.guards.entropy_coeff, oom=run.oom,
                                             max_grad_norm=run.guards.max_grad_norm))
