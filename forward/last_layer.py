@@ -58,17 +58,23 @@ def decide(model, tolerance: float | None = None) -> list:
     plain = _read(model(input_ids=ids, use_cache=False).logits, index)
     if tolerance is None:
         tolerance = 1e-5 if plain.dtype == torch.float32 else 2e-2
-    for group in groups:
-        if not group or not bool(plain.isfinite().all()):
-            continue
+
+    def holds(modules) -> bool:
         try:
-            with _restricted(found + group, index, tuple(ids.shape)):
+            with _restricted(modules, index, tuple(ids.shape)):
                 mine = _read(model(input_ids=ids, use_cache=False).logits, index)
         except Exception:                                                               # a module that needs every row
-            continue
-        if mine.shape == plain.shape and \
-                float((mine - plain).abs().max()) / max(1.0, float(plain.abs().max())) <= tolerance:
-            found = found + group
+            return False
+        return mine.shape == plain.shape and \
+            float((mine - plain).abs().max()) / max(1.0, float(plain.abs().max())) <= tolerance
+
+    if bool(plain.isfinite().all()) and any(groups):
+        if holds(groups[0] + groups[1]):                                                # most families: one probe
+            found = groups[0] + groups[1]
+        else:
+            for group in groups:
+                if group and holds(found + group):
+                    found = found + group
     setattr(model, ATTRIBUTE, found)
     return found
 
