@@ -230,7 +230,8 @@ def _packed(model, batch: dict):
 
 def _forward(model, batch: dict, packed, read=None, **kwargs):
     """model on a micro-batch: packed into one row (`packed`, from packing.pack), or padded. read: the
-    flat positions whose outputs the caller reads (_rows_of), where the last layer's MLP runs (last_layer)."""
+    flat positions whose outputs the caller reads (_rows_of): the last layer's MLP and output projection
+    run on those alone (forward/last_layer.py)."""
     shape = tuple((packed.input_ids if packed is not None else batch["input_ids"]).shape)
     with last_layer.rows(model, read, shape):
         if packed is None:
