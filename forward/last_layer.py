@@ -30,10 +30,15 @@ ATTENTION, OUTPUT = ("self_attn", "attn", "attention", "self_attention"), ("o_pr
 ATTRIBUTE = "rows_read_modules"     # set on the Hugging Face model by decide
 
 
-def last_layer(model):
-    """The model's last decoder layer (the last of Transformers' checkpointable layers), or None."""
+def decoder_layers(model) -> list:
+    """The model's decoder layers, in order: Transformers' checkpointable layers."""
     from transformers.modeling_layers import GradientCheckpointingLayer
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def last_layer(model):
+    """The model's last decoder layer, or None."""
+    layers = decoder_layers(model)
     return layers[-1] if layers else None
 
 
@@ -88,9 +93,7 @@ def _read(logits, index):
 def rows(model, index: torch.Tensor | None, shape: tuple[int, int]):
     """While active, the modules `decide` kept for `model` run on the rows `index` (flat positions of
     the [B, T] input `shape`, in any order, repeats allowed) and give 0 elsewhere. A model without
-    such modules, or no index, runs whole."""
-    while hasattr(model, "module"):                                                     # DeepSpeed / DDP wrappers
-        model = model.module
+    such modules, or no index, runs whole. `model`: the Hugging Face model (unwrapped)."""
     modules = getattr(model, ATTRIBUTE, None)
     if not modules or index is None or index.numel() == 0:
         yield

@@ -233,7 +233,7 @@ def _forward(model, batch: dict, packed, read=None, **kwargs):
     flat positions whose outputs the caller reads (_rows_of): the last layer's MLP and output projection
     run on those alone (forward/last_layer.py)."""
     shape = tuple((packed.input_ids if packed is not None else batch["input_ids"]).shape)
-    with last_layer.rows(model, read, shape):
+    with last_layer.rows(_unwrap(model), read, shape):
         if packed is None:
             return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          position_ids=batch["position_ids"], use_cache=False, **kwargs)

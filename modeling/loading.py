@@ -189,8 +189,7 @@ def recompute_activations(model, on: bool, offload: bool = False):
     if not on:
         yield
         return
-    from transformers.modeling_layers import GradientCheckpointingLayer
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)][:-1]
+    layers = last_layer.decoder_layers(model)[:-1]
     saved = [layer.__dict__.get("_gradient_checkpointing_func") for layer in layers]
     forwards = [layer.__dict__.get("forward") for layer in layers]
     for layer in layers:
