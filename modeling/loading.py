@@ -12,7 +12,7 @@ import torch
 from config import Config, critic_checkpointing
 from core_algos import lr_factor
 from errors import UserError, first_line
-from forward import last_layer, packing, ulysses
+from forward import last_layer, lean_mlp, packing, ulysses
 from forward.readouts import _unwrap, head_transform
 from modeling import value_models
 from plumbing import console, lean_imports
@@ -118,6 +118,9 @@ def load_models(cfg: Config):
             model.set_attn_implementation("eager")
         if model is not None:   # the last layer's MLP on the rows a pass reads, where the model proves it exact
             last_layer.decide(model)
+    for model in (actor, critic):   # trained: their MLPs keep the projections' outputs for the backward, not the rest
+        if model is not None:
+            lean_mlp.decide(model)
     if cfg.ulysses_sequence_parallel_size > 1:
         for key, model in (("model_path", actor), ("critic_model_path", critic), ("ref_model_path", ref),
                            ("reward_model_path", reward_model)):
