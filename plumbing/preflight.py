@@ -11,8 +11,10 @@ The figures are estimates of the largest terms, stated per component so they can
 - frozen models (reference, reward model): their weights (bf16 when dtype=bf16), sharded under ZeRO-3.
 - activations of one training micro-batch of full-length sequences (max_prompt_length +
   max_response_length) kept for the backward pass, per decoder layer and token: about
-  6 x hidden + 2 x kv width + 4 x intermediate values, plus on CPU 2 x heads x length attention
-  scores (PyTorch's CPU attention keeps them; the GPU's fused kernels do not); with gradient checkpointing only each layer's input, plus
+  6 x hidden + 2 x kv width + 4 x intermediate values (2 x intermediate in fp32 without ZeRO-3, where
+  a gated MLP keeps only its gate and up projections' outputs: forward/lean_mlp.py), plus on CPU
+  2 x heads x length attention scores (PyTorch's CPU attention keeps them; the GPU's fused kernels
+  do not); with gradient checkpointing only each layer's input, plus
   one layer's full set (and on CPU each checkpointed layer's attention output, which the
   recompute reuses). The logits of a micro-batch (response positions only x vocabulary, fp32)
   three times over: the logits, the softmax's workspace, their gradient. With Ulysses sequence
@@ -149,7 +151,8 @@ def rows_for(plan: Plan, world: int) -> list[tuple[str, float, str]]:
             continue
         tokens = micro * plan.seq_len
         scores = 0 if plan.gpu_bytes else 2 * m.heads * plan.seq_len
-        per_layer = tokens * (6 * m.hidden + 2 * m.kv_width + 4 * m.intermediate + scores) * act_b
+        mlp = 2 if not plan.bf16 and z != 3 else 4   # lean_mlp: fp32 (no autocast), weights not partitioned
+        per_layer = tokens * (6 * m.hidden + 2 * m.kv_width + mlp * m.intermediate + scores) * act_b
         full = per_layer * m.layers
         ckpt = tokens * m.hidden * act_b * m.layers + per_layer
         if not plan.gpu_bytes:   # on CPU the checkpointed layers' packed attention outputs wait for the recompute too
