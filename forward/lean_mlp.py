@@ -15,8 +15,9 @@ and activation_fn (Phi-3: the two halves of one projection, in either order) or 
 and act_fn / act (ReLU^2, GELU MLPs), with plain nn.Linear projections. Each is kept where its output
 and every gradient on a probe come out as its own forward's. The rest run as they are: MoE experts,
 MLPs with a norm or dropout inside, Conv1D projections. At run time the lean path steps aside (the
-module's own forward runs) without gradients, under autocast, and where the down projection's weight
-is partitioned (ZeRO-3) or hooked (PEFT, DeepSpeed): there the projection must run as a module call.
+module's own forward runs) without gradients, under autocast, and where the down projection is no
+longer a plain nn.Linear (an adapter put in later), its weight is partitioned (ZeRO-3) or it is hooked
+(DeepSpeed): there the projection must run as a module call.
 """
 import types
 
@@ -115,7 +116,7 @@ def _plain_linear(module) -> bool:
 def _lean_forward(self, x, *args, **kwargs):
     down = getattr(self, getattr(self, ATTRIBUTE)[2])
     if args or kwargs or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) or \
-            hasattr(down.weight, "ds_id") or down._forward_hooks or down._forward_pre_hooks:
+            not _plain_linear(down) or hasattr(down.weight, "ds_id") or down._forward_hooks or down._forward_pre_hooks:
         return type(self).forward(self, x, *args, **kwargs)
     return _apply(self, getattr(self, ATTRIBUTE), x)
 
@@ -141,7 +142,7 @@ def _same(module, candidate, tolerance: float) -> bool:
         with torch.enable_grad():
             out = forward(x)
             grads = torch.autograd.grad(out, [x] + params, cotangent, allow_unused=True)
-        return [out.detach()] + [g for g in grads]
+        return [out.detach(), *grads]
 
     try:
         own = run(lambda x: type(module).forward(module, x))

@@ -107,3 +107,21 @@ def test_without_gradients_and_in_a_copy_the_modules_own_weights_run(tmp_path, m
     assert calls                                                                   # the copy is lean too
     torch.testing.assert_close(loud.detach(), quiet, **TOL)                        # with its own weights, not the original's
     assert not torch.allclose(quiet, actor(input_ids=ids).logits.detach(), atol=1e-3)
+
+
+def test_a_down_projection_replaced_after_load_runs_as_a_module(tmp_path):
+    """An adapter put on the down projection after decide (its own forward): the lean path steps aside,
+    so the adapter's part is in the output."""
+    class Doubled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    actor, _ = pair("qwen2", tmp_path)
+    mlp = actor.model.layers[0].mlp
+    assert lean_mlp.decide(actor) and "forward" in mlp.__dict__
+    x = torch.randn(1, 4, actor.config.hidden_size)
+    plain = mlp(x)
+    doubled = Doubled(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
+    doubled.weight = mlp.down_proj.weight
+    mlp.down_proj = doubled
+    torch.testing.assert_close(mlp(x), 2 * plain, **TOL)
