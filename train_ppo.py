@@ -685,8 +685,9 @@ def sample(run: Run, idx: list[int], engine, temperature: float, times: dict, ag
         batch = to_device(rollout.batch(run.tokenizer.pad_token_id) if run.tools else
                           pack_batch(prompts.ids, rollout.responses, run.tokenizer.pad_token_id), device)
         micro, budget = reward_micro_batch(cfg)
-        scores = run.scorer(prompts, rollout.responses, batch, micro, getattr(rollout, "columns", None),
-                            max_tokens=budget, agree=max_over_ranks(run.accelerator)).to(device)
+        with host_memory.frozen_pass(run.scorer.reward_model):   # its weights resident one layer at a time
+            scores = run.scorer(prompts, rollout.responses, batch, micro, getattr(rollout, "columns", None),
+                                max_tokens=budget, agree=max_over_ranks(run.accelerator)).to(device)
     return Sampled(idx, rollout.responses, rollout.logprobs, scores, rollout if run.tools else None)
 
 
@@ -717,8 +718,6 @@ def collect(run: Run, idx: list[int], engine, temperature: float, times: dict,
         bonus = tools.bonus(cfg.tool_call_bonus) if tools and cfg.tool_call_bonus else None
         shaped = shape_scores(cfg, scores, sampled.responses, truncated.to(device), ~nonfinite, bonus)   # [b]
         token_scores = place_scores(shaped, mask, cfg.reward_placement, cfg.reward_decay)
-        # the frozen models' weights, mapped from their files, leave the resident set between their passes
-        host_memory.release_file_pages(run.scorer.reward_model)
 
     # 3 forward passes, no grad: old log-probs (actor), ref log-probs, values (critic); an OOM redoes them
     with timed(times, "forward"), run.autocast():
@@ -772,8 +771,8 @@ def forward_passes(run: Run, batch: dict, temperature: float) -> torch.Tensor | 
     size, budget = run.oom.scaled("log_prob", ref_sched.micro_batch, ref_sched.max_tokens)
     ref_passes = dict(passes, size=size, max_tokens=budget)
     if run.ref is not None:
-        batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.ref)), batch, **ref_passes)
-        host_memory.release_file_pages(run.ref)
+        with host_memory.frozen_pass(run.ref):   # its file-mapped weights resident one layer at a time
+            batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.ref)), batch, **ref_passes)
     elif cfg.lora_rank and (cfg.use_kl_in_reward or cfg.use_kl_loss):
         with _unwrap(run.actor).disable_adapter():   # the base model is the reference
             batch["ref_logprob"] = forward_in_micro_batches(agreed(logprobs_of(run.actor)), batch, **ref_passes)

@@ -40,6 +40,7 @@ sampling_support, renormalised), in the same chunks: what the rollout engines re
 with them like for like.
 """
 import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -124,8 +125,9 @@ def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap, wit
 
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature, compute_dtype, scale, softcap, with_entropy, grad_of):
+    def forward(ctx, hidden, weight, tokens, temperature, compute_dtype, scale, softcap, with_entropy, grad_of, tied):
         ctx.set_materialize_grads(False)
+        ctx.tied = tied if tied and tied.get("looked up") else None                     # tied_lookup's slot
         n = hidden.shape[0]
         rows, cols = blocks(weight.shape[0], hidden.device.type)
         logprob = hidden.new_empty(n, dtype=torch.float32)
@@ -164,7 +166,7 @@ class _HeadLogprobs(torch.autograd.Function):
         t, dtype = ctx.temperature, ctx.compute_dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logprob is None and grad_entropy is None:
-            return None, None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None, None
         made, ctx.made = ctx.made, None
         if made is not None and _same(grad_logprob, made[1]) and _same(grad_entropy, made[2]):
             grad_hidden, grad_weight = made[0]                                     # what the forward assumed came
@@ -184,8 +186,11 @@ class _HeadLogprobs(torch.autograd.Function):
                                  None if grad_entropy is None else grad_entropy[s:s + rows, None],
                                  cols, t, dtype, ctx.scale, ctx.softcap, grad_hidden[s:s + rows] if need_h else None,
                                  grad_weight)
-        return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
-                None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None, None, None, None)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        if grad_weight is not None and ctx.tied is not None:   # the tied lookup adds its rows and hands it on
+            ctx.tied["grad"], grad_weight = grad_weight, None
+        return (None if grad_hidden is None else grad_hidden.to(hidden.dtype), grad_weight,
+                None, None, None, None, None, None, None, None)
 
 
 def _zero_grads(hidden, weight, need_h: bool, need_w: bool):
@@ -326,7 +331,7 @@ def _logits(hidden, weight, temperature, dtype, scale=1.0, softcap=None):
 
 
 def head_logprobs(hidden, weight, tokens, temperature: float = 1.0, scale: float = 1.0, softcap=None,
-                  with_entropy: bool = True, grad_of=None):
+                  with_entropy: bool = True, grad_of=None, tied=None):
     """hidden [N, H], weight [V, H] (the LM head's), tokens [N] -> (logprob [N], entropy [N]), fp32;
     entropy None without with_entropy (one element-wise pass less per block).
     scale, softcap: the model's own logit post-processing (module docstring), applied before temperature.
@@ -338,13 +343,66 @@ def head_logprobs(hidden, weight, tokens, temperature: float = 1.0, scale: float
     logits while they are still there, and the backward hands them on: one matmul against the
     vocabulary less per row (of four), for one row block's logits ([rows, V] fp32) held meanwhile.
     The backward checks that the gradient that comes is, bit for bit, the one grad_of gave, and
-    otherwise recomputes as without grad_of."""
+    otherwise recomputes as without grad_of.
+    tied: the slot of a tied_lookup active over the forward that made `hidden` (see there)."""
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     with torch.autocast(device_type, enabled=False):
         logprob, entropy = _HeadLogprobs.apply(hidden, weight, tokens, float(temperature), dtype, float(scale),
-                                               None if softcap is None else float(softcap), with_entropy, grad_of)
+                                               None if softcap is None else float(softcap), with_entropy, grad_of, tied)
     return logprob, entropy if with_entropy else None
+
+
+@contextmanager
+def tied_lookup(embedding, weight):
+    """Over one forward pass whose LM head runs through head_logprobs on `weight`, the same tensor as
+    the input `embedding`'s (tied), with gradients -> a slot for head_logprobs(tied=slot), else None.
+    Autograd would give the tied weight two [V, H] gradients, the head's and the lookup's (a zeroed
+    block with the looked-up rows added), and add one into the other: two blocks at the end of the
+    actor's backward, each mapped and zeroed afresh (a 32k x 256 fp32 block is above glibc's largest
+    mmap threshold). Here the head hands its weight gradient to the slot instead of to autograd, and
+    the lookup adds its rows into it and hands it on: one block, no zeroing, no [V, H] addition. The
+    head's backward always runs before the lookup's (the lookup's gradient comes through the head's
+    input); a head whose backward does not come leaves the lookup its own dense gradient. Only a
+    plain nn.Embedding (no max_norm, scale_grad_by_freq or sparse) on a weight that takes gradients."""
+    if (type(embedding) is not torch.nn.Embedding or embedding.weight is not weight or not weight.requires_grad
+            or not torch.is_grad_enabled() or embedding.max_norm is not None or embedding.scale_grad_by_freq
+            or embedding.sparse):
+        yield None
+        return
+    slot = {}
+    embedding.forward = lambda ids: _TiedLookup.apply(ids, embedding.weight, embedding.padding_idx, slot)
+    try:
+        yield slot
+    finally:
+        del embedding.forward
+
+
+class _TiedLookup(torch.autograd.Function):
+    """F.embedding(ids, weight) whose weight gradient goes into the slot's (the tied head's), or is
+    the lookup's own dense one (torch's embedding_dense_backward) where the slot has none."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, slot):
+        ctx.save_for_backward(ids)
+        ctx.padding_idx, ctx.slot, ctx.vocab = padding_idx, slot, weight.shape[0]
+        slot["looked up"] = True
+        return torch.nn.functional.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[1]:
+            return None, None, None, None
+        (ids,) = ctx.saved_tensors
+        into = ctx.slot.pop("grad", None)
+        if into is None:
+            padding = -1 if ctx.padding_idx is None else ctx.padding_idx
+            return None, torch.ops.aten.embedding_dense_backward(grad, ids, ctx.vocab, padding, False), None, None
+        rows, values = ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(into.dtype)
+        if ctx.padding_idx is not None:                                                # its row takes no gradient
+            keep = rows != ctx.padding_idx
+            rows, values = rows[keep], values[keep]
+        return None, into.index_add_(0, rows, values), None, None
 
 
 def sampling_support(z, top_k: int = -1, top_p: float = 1.0):

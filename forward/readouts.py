@@ -11,7 +11,7 @@ import torch
 from core_algos import entropy_from_logits
 from forward import last_layer, packing, ulysses
 from forward.batch import spread
-from forward.head_logprobs import head_logprobs, support_logprobs, truncated_logprobs
+from forward.head_logprobs import head_logprobs, support_logprobs, tied_lookup, truncated_logprobs
 
 
 def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool = False,
@@ -37,12 +37,13 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     # numbers are 0): with responses of very different lengths that padding was up to half the work
     real = batch["attention_mask"][:, -R:].reshape(-1).bool()                    # [B * R]
     head, transform, fused, captured, hook = _head_input(model)
-    try:
-        packed = _packed(model, batch)
-        W = batch["input_ids"].shape[1]
-        keep = (packed.response_index.reshape(-1)[real] if packed is not None    # [n] or, every row's, [R]
-                else torch.arange(W - R - 1, W - 1, device=batch["input_ids"].device))
-        out = _forward(model, batch, packed, _rows_of(batch, packed, keep), logits_to_keep=keep)
+    try:   # a tied input embedding adds its gradient rows into the head's (one [V, H] block, not two)
+        with tied_lookup(_unwrap(model).get_input_embeddings(), head.weight) if fused else nullcontext() as tied:
+            packed = _packed(model, batch)
+            W = batch["input_ids"].shape[1]
+            keep = (packed.response_index.reshape(-1)[real] if packed is not None    # [n] or, every row's, [R]
+                    else torch.arange(W - R - 1, W - 1, device=batch["input_ids"].device))
+            out = _forward(model, batch, packed, _rows_of(batch, packed, keep), logits_to_keep=keep)
     finally:
         if hook is not None:
             hook.remove()
@@ -54,7 +55,7 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
         grad_of = None if loss_of is None or not torch.is_grad_enabled() else \
             _grads_by_rows(loss_of, real, tokens.shape[0], (B, R), with_entropy, entropy_grad)
         logprob, entropy = head_logprobs(hidden, head.weight, tokens, temperature, *transform, with_entropy=with_entropy,
-                                         grad_of=grad_of)
+                                         grad_of=grad_of, tied=tied)
         logprob = spread(logprob, real).view(B, R)
         if with_entropy:
             entropy = spread(entropy if entropy_grad else entropy.detach(), real).view(B, R)

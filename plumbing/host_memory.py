@@ -36,9 +36,11 @@ peak_memory_gb() and scripts/bench.py read that. On CUDA the allocator's peak
 (torch.cuda.max_memory_allocated) is handled the same way with torch.cuda.reset_peak_memory_stats.
 
 The frozen models' weights, mapped from their safetensors files, leave the resident set between their
-passes (train_ppo.py calls it after scoring and after the reference's pass):
+passes, and during a pass each layer's as soon as it has run (train_ppo.py runs the reward model's and
+the reference's passes so):
 
     host_memory.release_file_pages(run.ref)    # -> bytes dropped; the page cache keeps them
+    with host_memory.frozen_pass(run.ref): ... # per layer during the pass, the whole model after it
 """
 import os
 import sys
@@ -236,3 +238,58 @@ def release_file_pages(*modules) -> int:
         return dropped
     except (OSError, AttributeError):   # no /proc (a sandbox), no libc
         return 0
+
+
+def _release_pages(tensors, regions: list[tuple[int, int]]) -> int:
+    """release_file_pages for part of a mapping: the whole pages inside each tensor's storage that lie in
+    one of `regions` (private file mappings) and are all still the file's own -> the bytes dropped."""
+    page, dropped = os.sysconf("SC_PAGE_SIZE"), 0
+    try:
+        madvise = _libc().madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        for t in tensors:
+            storage = t.untyped_storage()
+            start = -(-storage.data_ptr() // page) * page                              # the pages wholly its own
+            end = (storage.data_ptr() + storage.nbytes()) // page * page
+            if t.device.type == "cpu" and end > start and any(lo <= start and end <= hi for lo, hi in regions):
+                resident = _file_pages(start, end)
+                if resident and madvise(start, end - start, MADV_DONTNEED) == 0:
+                    dropped += resident
+    except (OSError, AttributeError):                                                  # no pagemap, no libc
+        pass
+    return dropped
+
+
+@contextmanager
+def frozen_pass(model):
+    """A frozen model's pass (the reward model's scoring, the reference's log-probs): the weights of its
+    input embedding and of each decoder layer leave the resident set as soon as that module has run
+    (release_file_pages' pages, cut at tensor boundaries inside the one mapping of the file), and the
+    whole model's after the pass. The pass then holds one module's weights at a time, not the model's:
+    W3's scoring and forward passes peaked at the heap plus a whole frozen model (about 45 MB), now
+    plus its [32768, 256] embedding (34 MB), which the reference's LM head (tied) maps again anyway.
+    A model of none (a reward function), or one whose weights are not file pages, runs as it is."""
+    if model is None or sys.platform != "linux":
+        yield
+        return
+    from forward.last_layer import decoder_layers
+    inner = model
+    while hasattr(inner, "module"):                                                    # DeepSpeed / DDP wrappers
+        inner = inner.module
+    try:
+        regions = _private_file_mappings()
+    except OSError:                                                                    # no /proc (a sandbox)
+        regions = []
+
+    def after(module, args, out):
+        _release_pages([*module.parameters(), *module.buffers()], regions)
+
+    embedding = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
+    modules = ([embedding] if isinstance(embedding, torch.nn.Module) else []) + decoder_layers(inner)
+    handles = [m.register_forward_hook(after) for m in modules] if regions else []
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        release_file_pages(model)

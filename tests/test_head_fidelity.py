@@ -244,3 +244,64 @@ def test_the_update_makes_its_loss_gradients_in_the_heads_forward(loss_agg_mode,
     for name, grad in plain.items():   # without the entropy p is made two ways (see above): roundings apart
         atol = 1e-6 * grad.abs().max().item() if not entropy_coeff else 1e-8
         torch.testing.assert_close(fused[name], grad, rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def _weight_blocks(run, vocab: int, hidden: int) -> int:
+    """How many [vocab, hidden] tensors `run` makes (zeros, an embedding's dense gradient, a sum)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    made = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._schema.name.split("::")[-1] in ("zeros", "new_zeros", "embedding_dense_backward", "add") and \
+                    torch.is_tensor(out) and tuple(out.shape) == (vocab, hidden):
+                made.append(func)
+            return out
+    with Count():
+        run()
+    return len(made)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_a_tied_embedding_adds_its_rows_into_the_heads_gradient(packed, monkeypatch):
+    """Tied input embedding and LM head in the update's pass: the same gradients as autograd's own two
+    (the lookup's dense one added to the head's), from one [V, H] block instead of three."""
+    from forward import packing
+    model = model_registry.build("qwen2", tie_word_embeddings=True).requires_grad_(True)
+    model.set_attn_implementation(packing.register())
+    monkeypatch.setattr(packing, "worth_it", lambda batch, min_saving=0.1: packed)
+    batch = pack_batch([[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]], [[20, 21], [22], [23, 24, 25, 26]], pad_id=0)
+    V, H = model.get_input_embeddings().weight.shape
+    grads = {}
+    for tied in (True, False):
+        if not tied:
+            monkeypatch.setattr(readouts, "tied_lookup", lambda embedding, weight: nullcontext())
+        model.zero_grad(set_to_none=True)
+
+        def step():
+            logprob, _ = readouts.response_logprobs(model, batch, 0.8, loss_of=lambda lp, ent: lp.sum())
+            logprob.sum().backward()
+        blocks = _weight_blocks(step, V, H)
+        grads[tied] = ({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, blocks)
+    (mine, mine_blocks), (plain, plain_blocks) = grads[True], grads[False]
+    assert mine.keys() == plain.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(mine[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad of {name}: {m}")
+    assert mine_blocks == 1 and plain_blocks >= 2, (mine_blocks, plain_blocks)
+
+
+def test_a_tied_lookup_whose_head_gives_no_slot_keeps_its_own_gradient():
+    """The model's own forward (its nn.Linear head, not head_logprobs) under tied_lookup: the lookup
+    finds no gradient in the slot and gives autograd its own dense one, so the sum is autograd's."""
+    model = model_registry.build("qwen2", tie_word_embeddings=True).requires_grad_(True)
+    ids = torch.tensor([[5, 6, 7, 8, 5, 9]])
+    weight = model.get_input_embeddings().weight
+    grads = []
+    for tied in (True, False):
+        model.zero_grad(set_to_none=True)
+        with hl.tied_lookup(model.get_input_embeddings(), weight) if tied else nullcontext() as slot:
+            model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+        assert (slot is not None) == tied and not (slot or {}).get("grad")
+        grads.append(weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)

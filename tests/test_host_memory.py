@@ -273,6 +273,58 @@ def test_frozen_weights_leave_resident_memory_and_come_back_the_same(tmp_path):
     assert got["dropped_converted"] == 0 and got["nothing"] == 0, got
 
 
+PER_LAYER = """
+import json, os, sys, torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+from plumbing import host_memory
+from forward.last_layer import decoder_layers
+path, out = sys.argv[1], {}
+cfg = Qwen2Config(vocab_size=16384, hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+ids = torch.arange(3, 40)[None]
+page = os.sysconf("SC_PAGE_SIZE")
+def resident(module):   # the module's weights' whole pages resident as the file's own
+    total = 0
+    for p in module.parameters():
+        st = p.untyped_storage()
+        start, end = -(-st.data_ptr() // page) * page, (st.data_ptr() + st.nbytes()) // page * page
+        total += host_memory._file_pages(start, end) or 0 if end > start else 0
+    return total
+layers = decoder_layers(model)
+for per_layer in (False, True):
+    host_memory.release_file_pages(model)
+    seen = []
+    with host_memory.frozen_pass(model) if per_layer else torch.no_grad():   # the hook goes on after frozen_pass's
+        hook = layers[-1].register_forward_hook(lambda m, a, o: seen.append([resident(x) for x in layers[:-1]]))
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        hook.remove()
+    out["per_layer" if per_layer else "whole"] = {"earlier_layers": seen[0], "after": resident(model), "logits": logits.tolist()}
+out["layer_bytes"] = sum(p.numel() * 4 for p in layers[0].parameters())
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/pagemap", os.R_OK), reason="Linux's /proc/self/maps and pagemap")
+def test_a_frozen_pass_holds_one_layers_weights_at_a_time(tmp_path):
+    """frozen_pass: when the last decoder layer has run, the earlier layers' weights are no longer
+    resident (they were, without it), the whole model's are not after the pass, and the logits are
+    the same bit for bit."""
+    import json
+    proc = subprocess.run([sys.executable, "-c", PER_LAYER, str(tmp_path / "model")], cwd=ROOT, capture_output=True,
+                          text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    whole, per_layer = got["whole"], got["per_layer"]
+    assert all(b >= 0.9 * got["layer_bytes"] for b in whole["earlier_layers"]), got["whole"]["earlier_layers"]
+    assert all(b == 0 for b in per_layer["earlier_layers"]), per_layer["earlier_layers"]
+    assert per_layer["after"] == 0 and whole["after"] > 0
+    assert per_layer["logits"] == whole["logits"]
+
+
 RESIDENT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
