@@ -15,11 +15,13 @@ and activation_fn (Phi-3: the two halves of one projection, in either order) or 
 and act_fn / act (ReLU^2, GELU MLPs), with plain nn.Linear projections. Each is kept where its output
 and every gradient on a probe come out as its own forward's. The rest run as they are: MoE experts,
 MLPs with a norm or dropout inside, Conv1D projections. At run time the lean path steps aside (the
-module's own forward runs) without gradients, under autocast, and where the down projection is no
-longer a plain nn.Linear (an adapter put in later), its weight is partitioned (ZeRO-3) or it is hooked
-(DeepSpeed): there the projection must run as a module call.
+module's own forward runs) without gradients, under autocast, in layers that gradient checkpointing
+recomputes (`paused`), and where the down projection is no longer a plain nn.Linear (an adapter put
+in later), its weight is partitioned (ZeRO-3) or it is hooked (DeepSpeed): there the projection must
+run as a module call.
 """
 import types
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +31,7 @@ SPECS = (("gate_proj", "up_proj", "down_proj", ("act_fn",)),
          ("gate_up_proj", None, "down_proj", ("activation_fn", "act_fn")),
          (None, "up_proj", "down_proj", ("act_fn", "act")))
 ATTRIBUTE = "_lean_mlp"     # on a qualifying module: its candidate (names only, so that a deep copy reads its own)
+PAUSED = "_lean_mlp_paused"
 
 
 class _RecomputedDown(torch.autograd.Function):
@@ -115,7 +118,8 @@ def _plain_linear(module) -> bool:
 
 def _lean_forward(self, x, *args, **kwargs):
     down = getattr(self, getattr(self, ATTRIBUTE)[2])
-    if args or kwargs or not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) or \
+    if args or kwargs or self.__dict__.get(PAUSED) or not torch.is_grad_enabled() or \
+            torch.is_autocast_enabled(x.device.type) or \
             not _plain_linear(down) or hasattr(down.weight, "ds_id") or down._forward_hooks or down._forward_pre_hooks:
         return type(self).forward(self, x, *args, **kwargs)
     return _apply(self, getattr(self, ATTRIBUTE), x)
@@ -173,3 +177,18 @@ def decide(model, tolerance: float = 1e-5) -> int:
                 count += 1
                 break
     return count
+
+
+@contextmanager
+def paused(modules):
+    """The lean MLPs inside `modules` run their own forward meanwhile: in layers that gradient
+    checkpointing recomputes, whose intermediates live only from the recompute to the layer's
+    backward anyway, the lean path would only make act(gate) * up once more."""
+    lean = [m for module in modules for m in module.modules() if ATTRIBUTE in m.__dict__]
+    for m in lean:
+        m.__dict__[PAUSED] = True
+    try:
+        yield
+    finally:
+        for m in lean:
+            m.__dict__.pop(PAUSED, None)

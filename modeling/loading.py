@@ -200,8 +200,9 @@ def recompute_activations(model, on: bool, offload: bool = False):
         layer.forward = _in_eval(layer)
         if offload:
             layer._gradient_checkpointing_func = _offloaded_checkpoint
-    try:
-        yield
+    try:   # a recomputed layer keeps nothing past its own backward: its MLPs' lean path would only add work
+        with lean_mlp.paused(layers):
+            yield
     finally:
         for layer, func, forward in zip(layers, saved, forwards):
             layer.training = False

@@ -125,3 +125,23 @@ def test_a_down_projection_replaced_after_load_runs_as_a_module(tmp_path):
     doubled.weight = mlp.down_proj.weight
     mlp.down_proj = doubled
     torch.testing.assert_close(mlp(x), 2 * plain, **TOL)
+
+
+def test_layers_that_checkpointing_recomputes_run_their_own_mlp(tmp_path, monkeypatch):
+    """Under gradient checkpointing the recomputed layers' MLPs run their own forward (the lean path
+    would only add work there); the last layer, kept whole, stays lean; the gradients are the model's."""
+    from modeling.loading import recompute_activations
+    actor, critic = pair("qwen2", tmp_path)
+    own, own_grads, _ = passes(actor, critic)
+    lean_mlp.decide(actor)
+    calls = []
+    original = lean_mlp._RecomputedDown.apply
+    monkeypatch.setattr(lean_mlp._RecomputedDown, "apply", lambda *a: calls.append(a[-1].shape) or original(*a))
+    with recompute_activations(actor, True):
+        lean, lean_grads, _ = passes(actor, critic)
+    assert len(calls) == 1                                                         # the last layer's, once
+    assert not any("_lean_mlp_paused" in m.__dict__ for m in actor.modules())      # restored after
+    for a, b in zip(lean, own):
+        torch.testing.assert_close(a, b, **TOL)
+    for key, grad in own_grads.items():
+        torch.testing.assert_close(lean_grads[key], grad, **TOL, msg=lambda m: f"grad of {key}: {m}")
