@@ -273,9 +273,8 @@ def frozen_pass(model):
         yield
         return
     from forward.last_layer import decoder_layers
-    inner = model
-    while hasattr(inner, "module"):                                                    # DeepSpeed / DDP wrappers
-        inner = inner.module
+    from forward.readouts import _unwrap
+    inner = _unwrap(model)                                                             # DeepSpeed / DDP wrappers
     try:
         regions = _private_file_mappings()
     except OSError:                                                                    # no /proc (a sandbox)
