@@ -161,7 +161,7 @@ def test_checkpointed_update_gives_the_models_own_log_probs_and_gradients(model_
                                         if t not in loading.REFUSED and t not in model_registry.ACAUSAL])
 def test_hf_engine_samples_from_the_models_own_distribution(model_type, saved):
     """The hf engine's decoding (left-padded rows, its in-place KV cache, grouped KV heads read in
-    place, the head as weight @ hidden^T) against the model's own forward on each whole sequence."""
+    place, the head packed for oneDNN) against the model's own forward on each whole sequence."""
     tokenizer, actor, _, _, _ = load_models(Config(model_path=str(saved(model_type)), remove_padding=True))
     twin = eager_twin(actor).requires_grad_(False)
     engine = HFEngine(actor, tokenizer.eos_token_id, tokenizer.pad_token_id)

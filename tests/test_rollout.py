@@ -364,3 +364,34 @@ def test_hf_engine_in_waves_samples_what_one_call_does(tiny, monkeypatch):
     assert runs[3].responses == runs[10**6].responses
     for a, b in zip(runs[3].logprobs, runs[10**6].logprobs):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)   # other batch sizes: fp32 rounding
+
+
+class _Headed(torch.nn.Module):
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_hf_engine_packed_head_gives_a_row_the_same_logits_whatever_rows_share_the_call(bias):
+    """A generate() call of PACK_MIN_TOKENS steps or more multiplies by a packed copy of the LM head:
+    each row's logits are hidden @ W^T (+ b) to fp32 rounding and the same bits whether the row
+    comes alone, among a few or among many (MKL's unpacked W @ hidden^T gives rows under 10 other
+    bits); a shorter call keeps the unpacked head, to the same rounding."""
+    import rollout.hf as hf
+    torch.manual_seed(0)
+    model = _Headed(torch.nn.Linear(64, 1000, bias=bias))
+    hidden = torch.randn(16, 1, 64)                                                 # a decoding step's rows
+    expected = hidden @ model.head.weight.t() + (model.head.bias if bias else 0)
+    with torch.inference_mode():
+        for steps in (hf.PACK_MIN_TOKENS, hf.PACK_MIN_TOKENS - 1):
+            with hf._tall_head(model, steps):
+                whole = model.head(hidden)                                          # [16, 1, V]
+                torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
+                if steps >= hf.PACK_MIN_TOKENS:
+                    for lo, hi in ((0, 1), (3, 4), (1, 4), (8, 16), (5, 13)):
+                        assert torch.equal(model.head(hidden[lo:hi]), whole[lo:hi]), (lo, hi)
+            assert "forward" not in vars(model.head)                                # the module's own forward again
