@@ -20,7 +20,8 @@ from rollout import RolloutOutput, SamplingParams, Share, cut_at_eos
 
 
 CDF_BLOCK = 256   # vocabulary entries the Sampler's inverse CDF sums as one (inverse_cdf)
-PACK_MIN_TOKENS = 8   # generate() calls this long pack the LM head (_tall_head): the packing costs what 4-6 steps save
+PACK_MIN_TOKENS = 8   # generate() calls this long pack the LM head (_decoding_linears): the packing costs what 4-6 steps save
+PACK_MIN_ELEMENTS = 1 << 17   # and their other linear layers this large (512 KB in fp32)
 WAVE = 128   # tokens generate() runs before the rows that ended leave the batch (HFEngine._generate_chunk)
 
 
@@ -64,7 +65,7 @@ class HFEngine:
                 # inference mode inside the contexts (a ZeRO-3 gather's buffers stay normal tensors): no
                 # version counters or autograd metadata on decoding's ~800 small ops a token (W5: 3-5% faster)
                 stack.enter_context(torch.inference_mode())
-                stack.enter_context(_tall_head(self.model, params.max_tokens))
+                stack.enter_context(_decoding_linears(self.model, params.max_tokens))
                 for i in range(0, len(expanded), self.micro_batch_size):
                     sampler = None if seed is None else Sampler(params, seed, keys[i:i + self.micro_batch_size])
                     chunk = self._generate_chunk(expanded[i:i + self.micro_batch_size], gen_cfg,
@@ -150,26 +151,62 @@ class HFEngine:
 
 
 @contextmanager
-def _tall_head(model, steps: int):
-    """The LM head of a CPU model, for one generate() call of up to `steps` tokens: generation's
-    head sees a few rows (one per sequence) against the whole vocabulary, most of a decoding step.
-    MKL repacks the [V, H] weight at every call, so a step's head costs several reads of it. Here,
-    for an fp32 head outside autocast and a call of at least PACK_MIN_TOKENS steps, the weight is
-    packed once into oneDNN's blocked layout (_packed: one pass over it, about 14 ms for 32,768 x
-    256) and each step multiplies by the packed copy. Per step, 8 / 16 rows:
-      32,768 x 256:   MKL's hidden @ W^T 6.5 / 6.2 ms, head_matmul's W @ hidden^T 2.1 / 3.7, packed 1.2 / 1.8
-      65,536 x 512:   head_matmul 17 / 20, packed 7.9 (16 rows)
-      151,936 x 896:  head_matmul 75, packed 29 (16 rows)
-    A row's logits are the same bits whatever other rows share the call (head_matmul's change with
-    the row count under 10), and equal hidden @ W^T to fp32 rounding (1e-6 relative). The packed
-    copy, the size of the weight, lives for the call. Elsewhere head_matmul (W @ hidden^T: MKL
-    runs that way round up to 3x faster), and outside CPUs the head as it is."""
+def _decoding_linears(model, steps: int):
+    """A CPU model's linear layers, for one generate() call of up to `steps` tokens. Decoding
+    multiplies a few rows (one per sequence) by each weight, and MKL repacks the weight at every
+    call: at these shapes that traffic, not the arithmetic, is the time, most of all the LM head's
+    [V, H]. For a call of at least PACK_MIN_TOKENS steps, outside autocast, each fp32 weight below
+    is packed once into oneDNN's blocked layout (_packed: one pass over it, about 14 ms for
+    32,768 x 256) and every step multiplies by the packed copy:
+    - the LM head (a plain nn.Linear). Per step, 8 / 16 rows:
+        32,768 x 256:   MKL's hidden @ W^T 6.5 / 6.2 ms, W @ hidden^T (head_matmul) 2.1 / 3.7, packed 1.2 / 1.8
+        65,536 x 512:   W @ hidden^T 17 / 20, packed 7.9 (16 rows)
+        151,936 x 896:  W @ hidden^T 75, packed 29 (16 rows)
+    - every other plain nn.Linear whose weight is trained (its gradient, in the update, takes
+      more memory than the packed copy does here), has PACK_MIN_ELEMENTS entries or more (smaller
+      ones sit in cache, where MKL is as fast) and no hooks: 768 x 256 at 16 rows 60 -> 46 us,
+      2,048 x 512 294 -> 182 us.
+    Generation, medians of 5-8 alternating: W3's 16 rows x 64 tokens 0.96 -> 0.77 s with the head,
+    -> 0.67 s with the rest; W5's 8 rows x 384 tokens 4.34 -> 3.66 -> 2.95 s; a model of 512 x
+    1,536 x 50,000, 16 rows x 64 tokens 2.86 -> 2.25 -> 2.03 s.
+    A row's outputs are the same bits whatever other rows share the call (MKL's W @ hidden^T
+    changes them under 10 rows), and equal hidden @ W^T to fp32 rounding (1e-6 relative). The
+    packed copies live for the call. A head not packed runs as head_matmul (W @ hidden^T, which
+    MKL runs up to 3x faster than hidden @ W^T) on CPUs, as it is elsewhere."""
     head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or head.weight.device.type != "cpu":
+    plain_head = type(head) is torch.nn.Linear and head.weight.device.type == "cpu"
+    pack = steps >= PACK_MIN_TOKENS and not torch.is_autocast_enabled("cpu")
+    swapped = []
+    if plain_head:
+        head.forward = _head_forward(head, _packed(head.weight) if pack else None)
+        swapped.append(head)
+    for module in model.modules() if pack else ():
+        if (type(module) is torch.nn.Linear and module is not head and module.weight.requires_grad
+                and module.weight.device.type == "cpu" and module.weight.numel() >= PACK_MIN_ELEMENTS
+                and not (module._forward_hooks or module._forward_pre_hooks or hasattr(module.weight, "ds_id"))):
+            packed = _packed(module.weight)
+            if packed is not None:
+                module.forward = _linear_forward(module, packed)
+                swapped.append(module)
+    try:
         yield
-        return
-    packed = _packed(head.weight) if steps >= PACK_MIN_TOKENS and not torch.is_autocast_enabled("cpu") else None
+    finally:
+        for module in swapped:
+            del module.forward
 
+
+def _packed(weight):
+    """An fp32 weight [out, in] in oneDNN's blocked layout for torch.ops.mkldnn._linear_pointwise,
+    or None (another dtype, a torch built without oneDNN)."""
+    if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _head_forward(head, packed):
     def forward(hidden):                                                       # [..., H]
         flat = hidden.reshape(-1, hidden.shape[-1])
         if packed is not None and flat.dtype == torch.float32:
@@ -179,23 +216,15 @@ def _tall_head(model, steps: int):
             if head.bias is not None:
                 logits = logits + head.bias
         return logits.reshape(*hidden.shape[:-1], logits.shape[-1])              # [..., V]
-
-    head.forward = forward
-    try:
-        yield
-    finally:
-        del head.forward
+    return forward
 
 
-def _packed(weight):
-    """An fp32 weight [V, H] in oneDNN's blocked layout for torch.ops.mkldnn._linear_pointwise, or
-    None (another dtype, a torch built without oneDNN)."""
-    if weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    except (AttributeError, RuntimeError):
-        return None
+def _linear_forward(module, packed):
+    def forward(x):
+        if x.dtype != torch.float32:
+            return torch.nn.functional.linear(x, module.weight, module.bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, module.bias, "none", [], "")
+    return forward
 
 
 class _GrowingLayer(DynamicLayer):

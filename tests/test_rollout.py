@@ -366,32 +366,43 @@ def test_hf_engine_in_waves_samples_what_one_call_does(tiny, monkeypatch):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-5)   # other batch sizes: fp32 rounding
 
 
-class _Headed(torch.nn.Module):
-    def __init__(self, head):
+class _Decoder(torch.nn.Module):
+    """An LM head and three other linear layers: one trained and large enough to pack, one frozen
+    and one small."""
+    def __init__(self, bias: bool):
         super().__init__()
-        self.head = head
+        import rollout.hf as hf
+        self.head = torch.nn.Linear(64, 1000, bias=bias)
+        self.trained = torch.nn.Linear(64, hf.PACK_MIN_ELEMENTS // 64, bias=bias)
+        self.frozen = torch.nn.Linear(64, hf.PACK_MIN_ELEMENTS // 64, bias=bias).requires_grad_(False)
+        self.small = torch.nn.Linear(64, 64, bias=bias)
 
     def get_output_embeddings(self):
         return self.head
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_hf_engine_packed_head_gives_a_row_the_same_logits_whatever_rows_share_the_call(bias):
-    """A generate() call of PACK_MIN_TOKENS steps or more multiplies by a packed copy of the LM head:
-    each row's logits are hidden @ W^T (+ b) to fp32 rounding and the same bits whether the row
-    comes alone, among a few or among many (MKL's unpacked W @ hidden^T gives rows under 10 other
-    bits); a shorter call keeps the unpacked head, to the same rounding."""
+def test_hf_engine_packed_linears_give_a_row_the_same_outputs_whatever_rows_share_the_call(bias):
+    """A generate() call of PACK_MIN_TOKENS steps or more multiplies by packed copies of the LM head
+    and of the trained linear layers of PACK_MIN_ELEMENTS or more: each row's output is x @ W^T (+ b)
+    to fp32 rounding and the same bits whether the row comes alone, among a few or among many
+    (MKL's unpacked W @ x^T gives rows under 10 other bits); frozen and small layers run as they
+    are, and a shorter call packs nothing."""
     import rollout.hf as hf
     torch.manual_seed(0)
-    model = _Headed(torch.nn.Linear(64, 1000, bias=bias))
+    model = _Decoder(bias)
     hidden = torch.randn(16, 1, 64)                                                 # a decoding step's rows
-    expected = hidden @ model.head.weight.t() + (model.head.bias if bias else 0)
     with torch.inference_mode():
         for steps in (hf.PACK_MIN_TOKENS, hf.PACK_MIN_TOKENS - 1):
-            with hf._tall_head(model, steps):
-                whole = model.head(hidden)                                          # [16, 1, V]
-                torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
-                if steps >= hf.PACK_MIN_TOKENS:
-                    for lo, hi in ((0, 1), (3, 4), (1, 4), (8, 16), (5, 13)):
-                        assert torch.equal(model.head(hidden[lo:hi]), whole[lo:hi]), (lo, hi)
-            assert "forward" not in vars(model.head)                                # the module's own forward again
+            with hf._decoding_linears(model, steps):
+                swapped = {name for name, m in model.named_children() if "forward" in vars(m)}
+                assert swapped == ({"head", "trained"} if steps >= hf.PACK_MIN_TOKENS else {"head"})
+                for name in ("head", "trained"):
+                    layer = getattr(model, name)
+                    whole = layer(hidden)                                           # [16, 1, out]
+                    expected = hidden @ layer.weight.t() + (layer.bias if bias else 0)
+                    torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
+                    if steps >= hf.PACK_MIN_TOKENS:                                   # packed
+                        for lo, hi in ((0, 1), (3, 4), (1, 4), (8, 16), (5, 13)):
+                            assert torch.equal(layer(hidden[lo:hi]), whole[lo:hi]), (name, lo, hi)
+            assert not any("forward" in vars(m) for m in model.children())          # their own forwards again
