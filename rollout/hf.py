@@ -163,7 +163,7 @@ def _decoding_linears(model, steps: int):
         65,536 x 512:   W @ hidden^T 17 / 20, packed 7.9 (16 rows)
         151,936 x 896:  W @ hidden^T 75, packed 29 (16 rows)
     - every other plain nn.Linear whose weight is trained (its gradient, in the update, takes
-      more memory than the packed copy does here), has PACK_MIN_ELEMENTS entries or more (smaller
+      as much memory as the packed copy does here), has PACK_MIN_ELEMENTS entries or more (smaller
       ones sit in cache, where MKL is as fast) and no hooks: 768 x 256 at 16 rows 60 -> 46 us,
       2,048 x 512 294 -> 182 us.
     Generation, medians of 5-8 alternating: W3's 16 rows x 64 tokens 0.96 -> 0.77 s with the head,
