@@ -154,7 +154,7 @@ class HFEngine:
 def _decoding_linears(model, steps: int):
     """A CPU model's linear layers, for one generate() call of up to `steps` tokens. Decoding
     multiplies a few rows (one per sequence) by each weight, and MKL repacks the weight at every
-    call: at these shapes that traffic, not the arithmetic, is the time, most of all the LM head's
+    call, which at these shapes costs more than the arithmetic, most of all for the LM head's
     [V, H]. For a call of at least PACK_MIN_TOKENS steps, outside autocast, each fp32 weight below
     is packed once into oneDNN's blocked layout (_packed: one pass over it, about 14 ms for
     32,768 x 256) and every step multiplies by the packed copy:
@@ -164,8 +164,8 @@ def _decoding_linears(model, steps: int):
         151,936 x 896:  W @ hidden^T 75, packed 29 (16 rows)
     - every other plain nn.Linear whose weight is trained (its gradient, in the update, takes
       as much memory as the packed copy does here), has PACK_MIN_ELEMENTS entries or more (smaller
-      ones sit in cache, where MKL is as fast) and no hooks: 768 x 256 at 16 rows 60 -> 46 us,
-      2,048 x 512 294 -> 182 us.
+      ones sit in cache, where MKL is as fast), no hooks and no forward of its own already:
+      768 x 256 at 16 rows 60 -> 46 us, 2,048 x 512 294 -> 182 us.
     Generation, medians of 5-8 alternating: W3's 16 rows x 64 tokens 0.96 -> 0.77 s with the head,
     -> 0.67 s with the rest; W5's 8 rows x 384 tokens 4.34 -> 3.66 -> 2.95 s; a model of 512 x
     1,536 x 50,000, 16 rows x 64 tokens 2.86 -> 2.25 -> 2.03 s.
@@ -174,7 +174,7 @@ def _decoding_linears(model, steps: int):
     packed copies live for the call. A head not packed runs as head_matmul (W @ hidden^T, which
     MKL runs up to 3x faster than hidden @ W^T) on CPUs, as it is elsewhere."""
     head = model.get_output_embeddings()
-    plain_head = type(head) is torch.nn.Linear and head.weight.device.type == "cpu"
+    plain_head = type(head) is torch.nn.Linear and head.weight.device.type == "cpu" and "forward" not in vars(head)
     pack = steps >= PACK_MIN_TOKENS and not torch.is_autocast_enabled("cpu")
     swapped = []
     if plain_head:
@@ -183,7 +183,8 @@ def _decoding_linears(model, steps: int):
     for module in model.modules() if pack else ():
         if (type(module) is torch.nn.Linear and module is not head and module.weight.requires_grad
                 and module.weight.device.type == "cpu" and module.weight.numel() >= PACK_MIN_ELEMENTS
-                and not (module._forward_hooks or module._forward_pre_hooks or hasattr(module.weight, "ds_id"))):
+                and not (module._forward_hooks or module._forward_pre_hooks or hasattr(module.weight, "ds_id")
+                         or "forward" in vars(module))):   # hooked, partitioned or patched: as it is
             packed = _packed(module.weight)
             if packed is not None:
                 module.forward = _linear_forward(module, packed)

@@ -367,8 +367,8 @@ def test_hf_engine_in_waves_samples_what_one_call_does(tiny, monkeypatch):
 
 
 class _Decoder(torch.nn.Module):
-    """An LM head and three other linear layers: one trained and large enough to pack, one frozen
-    and one small."""
+    """An LM head and four other linear layers: one trained and large enough to pack, one frozen,
+    one small, and one whose forward something else has already replaced."""
     def __init__(self, bias: bool):
         super().__init__()
         import rollout.hf as hf
@@ -376,6 +376,8 @@ class _Decoder(torch.nn.Module):
         self.trained = torch.nn.Linear(64, hf.PACK_MIN_ELEMENTS // 64, bias=bias)
         self.frozen = torch.nn.Linear(64, hf.PACK_MIN_ELEMENTS // 64, bias=bias).requires_grad_(False)
         self.small = torch.nn.Linear(64, 64, bias=bias)
+        self.patched = torch.nn.Linear(64, hf.PACK_MIN_ELEMENTS // 64, bias=bias)
+        self.patched.forward = lambda x: torch.nn.functional.linear(x, self.patched.weight, self.patched.bias)
 
     def get_output_embeddings(self):
         return self.head
@@ -387,15 +389,16 @@ def test_hf_engine_packed_linears_give_a_row_the_same_outputs_whatever_rows_shar
     and of the trained linear layers of PACK_MIN_ELEMENTS or more: each row's output is x @ W^T (+ b)
     to fp32 rounding and the same bits whether the row comes alone, among a few or among many
     (MKL's unpacked W @ x^T gives rows under 10 other bits); frozen and small layers run as they
-    are, and a shorter call packs nothing."""
+    are, so does one whose forward was already replaced, and a shorter call packs nothing."""
     import rollout.hf as hf
     torch.manual_seed(0)
     model = _Decoder(bias)
     hidden = torch.randn(16, 1, 64)                                                 # a decoding step's rows
+    patch = model.patched.forward
     with torch.inference_mode():
         for steps in (hf.PACK_MIN_TOKENS, hf.PACK_MIN_TOKENS - 1):
             with hf._decoding_linears(model, steps):
-                swapped = {name for name, m in model.named_children() if "forward" in vars(m)}
+                swapped = {name for name, m in model.named_children() if "forward" in vars(m)} - {"patched"}
                 assert swapped == ({"head", "trained"} if steps >= hf.PACK_MIN_TOKENS else {"head"})
                 for name in ("head", "trained"):
                     layer = getattr(model, name)
@@ -405,4 +408,5 @@ def test_hf_engine_packed_linears_give_a_row_the_same_outputs_whatever_rows_shar
                     if steps >= hf.PACK_MIN_TOKENS:                                   # packed
                         for lo, hi in ((0, 1), (3, 4), (1, 4), (8, 16), (5, 13)):
                             assert torch.equal(layer(hidden[lo:hi]), whole[lo:hi]), (name, lo, hi)
-            assert not any("forward" in vars(m) for m in model.children())          # their own forwards again
+            assert not any("forward" in vars(m) for m in model.children() if m is not model.patched)   # their own again
+            assert model.patched.forward is patch
