@@ -169,10 +169,10 @@ def _decoding_linears(model, steps: int):
     Generation, medians of 5-8 alternating: W3's 16 rows x 64 tokens 0.96 -> 0.77 s with the head,
     -> 0.67 s with the rest; W5's 8 rows x 384 tokens 4.34 -> 3.66 -> 2.95 s; a model of 512 x
     1,536 x 50,000, 16 rows x 64 tokens 2.86 -> 2.25 -> 2.03 s.
-    A row's outputs are the same bits whatever other rows share the call (MKL's W @ hidden^T
-    changes them under 10 rows), and equal hidden @ W^T to fp32 rounding (1e-6 relative). The
+    On this CPU a row's outputs are the same bits whatever other rows share the call (MKL's W @
+    hidden^T changes them under 10 rows), and equal hidden @ W^T to fp32 rounding (1e-6 relative). The
     packed copies live for the call. A head not packed runs as head_matmul (W @ hidden^T, which
-    MKL runs up to 3x faster than hidden @ W^T) on CPUs, as it is elsewhere."""
+    MKL runs up to 3x faster than hidden @ W^T) on CPUs, and as it is on other devices."""
     head = model.get_output_embeddings()
     plain_head = type(head) is torch.nn.Linear and head.weight.device.type == "cpu" and "forward" not in vars(head)
     pack = steps >= PACK_MIN_TOKENS and not torch.is_autocast_enabled("cpu")

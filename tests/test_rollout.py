@@ -387,9 +387,10 @@ class _Decoder(torch.nn.Module):
 def test_hf_engine_packed_linears_give_a_row_the_same_outputs_whatever_rows_share_the_call(bias):
     """A generate() call of PACK_MIN_TOKENS steps or more multiplies by packed copies of the LM head
     and of the trained linear layers of PACK_MIN_ELEMENTS or more: each row's output is x @ W^T (+ b)
-    to fp32 rounding and the same bits whether the row comes alone, among a few or among many
-    (MKL's unpacked W @ x^T gives rows under 10 other bits); frozen and small layers run as they
-    are, so does one whose forward was already replaced, and a shorter call packs nothing."""
+    to fp32 rounding whether the row comes alone, among a few or among many, and the packed head's
+    logits come contiguous (an unpacked head's are head_matmul's transposed view); frozen and small
+    layers run as they are, so does one whose forward was already replaced, and a shorter call
+    packs nothing."""
     import rollout.hf as hf
     torch.manual_seed(0)
     model = _Decoder(bias)
@@ -405,8 +406,8 @@ def test_hf_engine_packed_linears_give_a_row_the_same_outputs_whatever_rows_shar
                     whole = layer(hidden)                                           # [16, 1, out]
                     expected = hidden @ layer.weight.t() + (layer.bias if bias else 0)
                     torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
-                    if steps >= hf.PACK_MIN_TOKENS:                                   # packed
-                        for lo, hi in ((0, 1), (3, 4), (1, 4), (8, 16), (5, 13)):
-                            assert torch.equal(layer(hidden[lo:hi]), whole[lo:hi]), (name, lo, hi)
+                    for lo, hi in ((0, 1), (3, 4), (1, 4), (8, 16), (5, 13)):
+                        torch.testing.assert_close(layer(hidden[lo:hi]), whole[lo:hi], rtol=1e-6, atol=1e-6)
+                assert model.head(hidden).is_contiguous() == (steps >= hf.PACK_MIN_TOKENS)
             assert not any("forward" in vars(m) for m in model.children() if m is not model.patched)   # their own again
             assert model.patched.forward is patch
