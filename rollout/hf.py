@@ -20,7 +20,7 @@ from rollout import RolloutOutput, SamplingParams, Share, cut_at_eos
 
 
 CDF_BLOCK = 256   # vocabulary entries the Sampler's inverse CDF sums as one (inverse_cdf)
-PACK_MIN_TOKENS = 8   # generate() calls this long pack the LM head (_decoding_linears): the packing costs what 4-6 steps save
+PACK_MIN_TOKENS = 8   # generate() calls this long pack their weights (_decoding_linears): the packing costs what 4-6 steps save
 PACK_MIN_ELEMENTS = 1 << 17   # and their other linear layers this large (512 KB in fp32)
 WAVE = 128   # tokens generate() runs before the rows that ended leave the batch (HFEngine._generate_chunk)
 
