@@ -77,6 +77,46 @@ def test_without_the_entropy_the_log_probs_and_their_gradients_are_autograds(col
         torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("offset", [0.0, 150.0, -150.0, -97.0])   # in range; exp() overflows; every term underflows; to denormals
+@pytest.mark.parametrize("fused", [False, True])             # the backward's recompute, or grad_of's forward
+def test_without_the_entropy_logits_of_any_magnitude_give_autograds_log_probs_and_gradients(offset, fused,
+                                                                                          monkeypatch):
+    """Without the entropy a CPU block is summed as exp(z) with no maximum subtracted, which holds
+    only while exp() stays in range: logits all shifted by +150 (exp overflows) or -150 (every term
+    underflows) still give autograd's log-probs and gradients (log_softmax does not see a shift)."""
+    monkeypatch.setattr(hl, "TILE_ROWS", 3)
+    monkeypatch.setattr(hl, "TILE_COLS", 16)
+    ran = {"unshifted": 0}
+    unshifted = hl._unshifted_forward
+    def counted(*args):
+        made = unshifted(*args)
+        ran["unshifted"] += made is not None
+        return made
+    monkeypatch.setattr(hl, "_unshifted_forward", counted)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(7, 16, generator=g)
+    hidden[:, 0] = 1.0                                   # with weight[:, 0] = offset: every logit + offset
+    hidden.requires_grad_()
+    weight = torch.randn(50, 16, generator=g)
+    weight[:, 0] = offset
+    weight.requires_grad_()
+    tokens = torch.randint(0, 50, (7,), generator=g)
+    w_lp = torch.randn(7, generator=g)
+    grad_of = (lambda start, stop, logprob, entropy: (w_lp[start:stop], None)) if fused else None
+    results = []
+    for fn in (lambda: hl.head_logprobs(hidden, weight, tokens, with_entropy=False, grad_of=grad_of),
+               lambda: autograd_reference(hidden, weight, tokens, 1.0, 1.0, None)):
+        hidden.grad = weight.grad = None
+        logprob, _ = fn()
+        (logprob * w_lp).sum().backward()
+        results.append((logprob.detach(), hidden.grad.clone(), weight.grad.clone()))
+    assert ran["unshifted"] == (3 if offset == 0.0 else 0)   # 3 row blocks the short way, or none
+    # hidden's gradient along the offset's column is offset x (1 - sum p): Σp's rounding times the offset
+    for mine, ref in zip(*results):
+        assert torch.isfinite(mine).all()
+        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4 + 2e-5 * abs(offset))
+
+
 def test_under_bf16_a_confident_tokens_gradient_keeps_its_one_minus_p(monkeypatch):
     """Under bf16 autocast the log-prob-only backward rounds p - onehot, not p: for a token the
     model is sure of (p near 1, where bf16's steps are 2^-8) rounding p first loses 1 - p, the
