@@ -261,6 +261,13 @@ def _row_block_grads(h, w, tokens, lse, entropy, g_lp, g_ent, cols: int, t: floa
             return _logits(h, w[v0:v0 + cols], t, dtype, scale, softcap)
         assert not isinstance(kept[j], tuple), "exp(z - m) kept for a gradient that needs z itself"
         return kept[j]
+    if (g_ent is None and softcap is None and kept and dtype == torch.float32
+            and all(isinstance(k, tuple) and k[1] is None for k in kept) and int(tokens.max()) < w.shape[0]
+            and float(lse.max()) <= FOLDED_LSE_MAX):
+        _unshifted_logprob_grads(h, w, tokens, lse, g_lp, [e for e, _ in kept], cols, t, scale, grad_hidden,
+                                 grad_weight)
+        kept.clear()
+        return
     if g_ent is None and softcap is None:
         def softmax(j, v0):
             if kept is not None and isinstance(kept[j], tuple):
@@ -277,6 +284,39 @@ def _row_block_grads(h, w, tokens, lse, entropy, g_lp, g_ent, cols: int, t: floa
             _accumulate(grad_hidden, gz, wb)
         if grad_weight is not None:
             _accumulate(grad_weight[v0:v0 + cols], gz.t(), h.to(dtype))
+
+
+# _unshifted_logprob_grads puts exp(-lse) onto the rows' side, a g_lp exp(-lse) h: with a log-sum-exp
+# up to 40 that stays a normal float for any gradient above 1e-20 (fp32's smallest normal is 1.2e-38)
+FOLDED_LSE_MAX = 40.0
+
+
+def _unshifted_logprob_grads(h, w, tokens, lse, g_lp, exps, cols: int, t: float, scale: float, grad_hidden,
+                             grad_weight):
+    """_logprob_grads from the forward's exp(z) tiles (_unshifted_forward, fp32): p = exp(z) s with
+    s = exp(-lse) per row, so d loss / d (h W^T) = -a (s exp(z) - onehot) with a = g_lp scale / t,
+    and both sides' per-row factors go onto the [r, H] operands instead of each tile: grad_hidden
+    gets -a (s sum_j exp(z_j) W_j - W[token]), grad_weight's tiles exp(z_j)^T (-a s h) and its
+    tokens' rows a h. No pass over a tile but the two matmuls (where the softmax was a multiply and
+    the onehot a scatter into each tile): W5's actor micro-batch of 1,400 response tokens, forward
+    and gradients, 578 -> 535 ms; 512 tokens 235 -> 230 ms (medians of 9, alternating). fp32 only:
+    in a 16-bit compute dtype s exp(z) - onehot must be made before rounding (_logprob_grads).
+    Tiles consumed."""
+    a = g_lp * (scale / t)                                                                # [r, 1]
+    s = (-lse).exp()                                                                      # [r, 1]
+    minus_ash = (-a * s) * h.float() if grad_weight is not None else None                 # [r, H]
+    e_w = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if grad_hidden is not None else None
+    for j, v0 in enumerate(range(0, w.shape[0], cols)):
+        e = exps[j]
+        if e_w is not None:
+            e_w.addmm_(e, w[v0:v0 + cols])
+        if minus_ash is not None:
+            grad_weight[v0:v0 + cols].addmm_(e.t(), minus_ash)
+        exps[j] = None
+    if grad_hidden is not None:
+        grad_hidden -= a * (e_w.mul_(s) - w.index_select(0, tokens).float())
+    if grad_weight is not None:
+        grad_weight.index_add_(0, tokens, a * h.float())
 
 
 def _logprob_grads(h, w, tokens, lse, g_lp, cols: int, t: float, dtype, scale: float, grad_hidden, grad_weight,

@@ -117,6 +117,33 @@ def test_without_the_entropy_logits_of_any_magnitude_give_autograds_log_probs_an
         torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4 + 2e-5 * abs(offset))
 
 
+def test_a_tiny_loss_gradient_under_large_logits_keeps_its_digits(monkeypatch):
+    """Logits near 60 (log-sum-exp in range for the sums without a maximum) and a loss gradient of
+    1e-20 a row: the gradients made in the forward are still autograd's, to fp32's relative precision,
+    not lost below fp32's normal floats (exp(-lse) is not folded into the rows' side there)."""
+    monkeypatch.setattr(hl, "TILE_ROWS", 3)
+    monkeypatch.setattr(hl, "TILE_COLS", 16)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(7, 16, generator=g)
+    hidden[:, 0] = 1.0
+    hidden.requires_grad_()
+    weight = torch.randn(50, 16, generator=g)
+    weight[:, 0] = 60.0
+    weight.requires_grad_()
+    tokens = torch.randint(0, 50, (7,), generator=g)
+    w_lp = torch.randn(7, generator=g) * 1e-20
+    results = []
+    for fn in (lambda: hl.head_logprobs(hidden, weight, tokens, with_entropy=False,
+                                        grad_of=lambda start, stop, logprob, entropy: (w_lp[start:stop], None)),
+               lambda: autograd_reference(hidden, weight, tokens, 1.0, 1.0, None)):
+        hidden.grad = weight.grad = None
+        logprob, _ = fn()
+        (logprob * w_lp).sum().backward()
+        results.append((hidden.grad[:, 1:].clone(), weight.grad[:, 1:].clone()))   # column 0: the offset's (see above)
+    for mine, ref in zip(*results):
+        torch.testing.assert_close(mine, ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()))
+
+
 def test_under_bf16_a_confident_tokens_gradient_keeps_its_one_minus_p(monkeypatch):
     """Under bf16 autocast the log-prob-only backward rounds p - onehot, not p: for a token the
     model is sure of (p near 1, where bf16's steps are 2^-8) rounding p first loses 1 - p, the
