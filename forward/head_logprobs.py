@@ -262,8 +262,8 @@ def _row_block_grads(h, w, tokens, lse, entropy, g_lp, g_ent, cols: int, t: floa
         assert not isinstance(kept[j], tuple), "exp(z - m) kept for a gradient that needs z itself"
         return kept[j]
     if (g_ent is None and softcap is None and kept and dtype == torch.float32
-            and all(isinstance(k, tuple) and k[1] is None for k in kept) and int(tokens.max()) < w.shape[0]
-            and float(lse.max()) <= FOLDED_LSE_MAX):
+            and all(isinstance(k, tuple) and k[1] is None for k in kept)
+            and 0 <= int(tokens.min()) and int(tokens.max()) < w.shape[0] and float(lse.max()) <= FOLDED_LSE_MAX):
         _unshifted_logprob_grads(h, w, tokens, lse, g_lp, [e for e, _ in kept], cols, t, scale, grad_hidden,
                                  grad_weight)
         kept.clear()
@@ -287,7 +287,8 @@ def _row_block_grads(h, w, tokens, lse, entropy, g_lp, g_ent, cols: int, t: floa
 
 
 # _unshifted_logprob_grads puts exp(-lse) onto the rows' side, a g_lp exp(-lse) h: with a log-sum-exp
-# up to 40 that stays a normal float for any gradient above 1e-20 (fp32's smallest normal is 1.2e-38)
+# up to 40 (exp(-40) = 4e-18) that stays a normal float (above 1.2e-38) for a loss gradient above
+# about 1e-20 on hidden states of order 1; above 40 the tiles are scaled as before
 FOLDED_LSE_MAX = 40.0
 
 
