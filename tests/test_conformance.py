@@ -46,12 +46,14 @@ def reference(model, temperature: float, prompts=PROMPTS, responses=RESPONSES):
     return logprobs, entropies
 
 
-def fast(model, temperature: float, loss_of=None):
-    """The same through response_logprobs on the padded micro-batch -> lists of [r]."""
+def fast(model, temperature: float, loss_of=None, with_entropy: bool = True):
+    """The same through response_logprobs on the padded micro-batch -> lists of [r] (the entropies
+    None without with_entropy: the reference's pass and an update with no entropy term, whose LM
+    head sums its tiles another way)."""
     batch = pack_batch(PROMPTS, RESPONSES, pad_id=0)
-    logprob, entropy = response_logprobs(model, batch, temperature, with_entropy=True, loss_of=loss_of)    # [B, R]
+    logprob, entropy = response_logprobs(model, batch, temperature, with_entropy=with_entropy, loss_of=loss_of)   # [B, R]
     return ([row[:len(r)] for row, r in zip(logprob, RESPONSES) if r],
-            [row[:len(r)].detach() for row, r in zip(entropy, RESPONSES) if r])
+            [row[:len(r)].detach() for row, r in zip(entropy, RESPONSES) if r] if with_entropy else None)
 
 
 def eager_twin(model):
@@ -67,23 +69,27 @@ def check(model, twin, temperature: float, whole_grad=None, loss_of=None):
     of its group a part: tests/ulysses_registry_worker.py sums them). loss_of: handed to
     response_logprobs, as the update does (the sum of the log-probs, which the backward runs)."""
     lp_ref, ent_ref = reference(twin, temperature)
-    lp, ent = fast(model, temperature, loss_of)
-    for a, b in zip(lp, lp_ref):
-        torch.testing.assert_close(a.detach(), b.detach(), **TOL)
-    for a, b in zip(ent, ent_ref):
-        torch.testing.assert_close(a, b, **TOL)
-    if not any(p.requires_grad for p in model.parameters()):
-        return
-    model.zero_grad(set_to_none=True)
-    twin.zero_grad(set_to_none=True)
-    sum(x.sum() for x in lp).backward()
-    sum(x.sum() for x in lp_ref).backward()
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        grad = p.grad if whole_grad is None else whole_grad(p)
-        if q.grad is None:
-            assert grad is None or not grad.any(), name
+    trained = any(p.requires_grad for p in model.parameters())
+    if trained:
+        twin.zero_grad(set_to_none=True)
+        sum(x.sum() for x in lp_ref).backward()
+    for with_entropy in (True, False):
+        lp, ent = fast(model, temperature, loss_of, with_entropy)
+        for a, b in zip(lp, lp_ref):
+            torch.testing.assert_close(a.detach(), b.detach(), **TOL)
+        for a, b in zip(ent or (), ent_ref):
+            torch.testing.assert_close(a, b, **TOL)
+        if not trained:
             continue
-        torch.testing.assert_close(grad, q.grad, rtol=1e-3, atol=1e-4, msg=lambda m: f"grad of {name}: {m}")
+        model.zero_grad(set_to_none=True)
+        sum(x.sum() for x in lp).backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            grad = p.grad if whole_grad is None else whole_grad(p)
+            if q.grad is None:
+                assert grad is None or not grad.any(), name
+                continue
+            torch.testing.assert_close(grad, q.grad, rtol=1e-3, atol=1e-4,
+                                       msg=lambda m: f"grad of {name} (with_entropy={with_entropy}): {m}")
 
 
 @pytest.fixture(scope="module")
