@@ -25,7 +25,14 @@ checks that the gradient that comes is that one, bit for bit, and hands them on.
 block's logits live at a time (on CPUs up to KEPT_ELEMENTS: 256 rows of a 32k vocabulary); W5's
 head (1,376 rows x 32,768 x 256) forward and backward took 568 -> 480 ms. Where the gradient can
 only be the log-prob's (no entropy, no soft-cap) the forward keeps exp(z - m) instead of z, and
-the softmax is then a multiply, not a second exponential (489 -> 476 ms).
+the softmax is then a multiply, not a second exponential (489 -> 476 ms). On a CPU no maximum is
+subtracted at all there: a tile is exponentiated in place and summed, two passes instead of four,
+where every row's log-sum-exp comes out in range (_unshifted_forward), and the gradients from those
+exponentials take the softmax's scale and the one-hot on the rows' side of their matmuls
+(_unshifted_logprob_grads): W5's actor micro-batch 553 -> 511 ms, then 578 -> 535 ms. Passes without
+gradients keep the running maximum whether or not they want the entropy, so the reference's
+log-probs and the actor's old ones are the same bits for the same weights (KL exactly 0 at the
+first step, as in verl); the update's differ from them by fp32 rounding, as any other batching's.
 
 Gradients flow from the log-prob and, when it is part of the loss, from the entropy:
   d logprob_i / d z_j = [j == token] - p_j
@@ -93,10 +100,10 @@ def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap, wit
     block's logits are appended to it, as made, for the gradients (grad_of, _HeadLogprobs); where
     those can only be the log-prob's (no entropy, no soft-cap: _logprob_grads) the block's
     exp(z - m) and its m instead, as (e, m): p = e exp(m - lse) then costs a multiply, not a
-    second exponential. Without the entropy (and no soft-cap) on a CPU the blocks are summed with
-    no maximum subtracted where that stays in range (_unshifted_forward), keeping (exp(z), None)."""
+    second exponential. For those gradients on a CPU the blocks are summed with no maximum
+    subtracted where that stays in range (_unshifted_forward), keeping (exp(z), None)."""
     chosen = h.new_full((h.shape[0],), float("nan"), dtype=torch.float32)         # a token past the last block: NaN, not a stale number
-    if not with_entropy and softcap is None and h.device.type == "cpu":
+    if keep is not None and not with_entropy and softcap is None and h.device.type == "cpu":
         made = _unshifted_forward(h, w, tokens, cols, t, dtype, scale, chosen, keep)
         if made is not None:
             return made
@@ -135,14 +142,14 @@ LSE_RANGE = (-60.0, 80.0)
 
 
 def _unshifted_forward(h, w, tokens, cols: int, t: float, dtype, scale, chosen, keep):
-    """_block_forward without the entropy, on a CPU, as sum exp(z) with no running maximum
-    subtracted: two passes over each tile (exp in place, sum) instead of four (amax, subtract, exp,
-    sum). The same log-sum-exp to fp32 rounding (the shift only keeps exp() in range, and the log-prob
+    """_block_forward for the log-prob's gradients (grad_of, no entropy) on a CPU, as sum exp(z) with
+    no running maximum subtracted: two passes over each tile (exp in place, sum) instead of four
+    (amax, subtract, exp, sum). The same log-sum-exp to fp32 rounding (the shift only keeps exp() in range, and the log-prob
     is z - lse either way), checked afterwards: -> (logprob, None, lse), or None where a row's
     log-sum-exp falls outside LSE_RANGE or is NaN (keep emptied of this block's entries; the caller
     runs the shifted way). keep: as _block_forward's, each tile's (exp(z), None). W5's actor micro-
-    batch (1,400 response tokens, forward and gradients, grad_of) 553 -> 511 ms; a no-grad pass of
-    2,184 tokens 282 -> 253 ms (medians of 7, alternating)."""
+    batch (1,400 response tokens, forward and gradients) 553 -> 511 ms (medians of 7, alternating).
+    Not for passes without gradients (see the module docstring: the same bits for the same weights)."""
     total = None
     start = len(keep) if keep is not None else 0
     for j, v0 in enumerate(range(0, w.shape[0], cols)):

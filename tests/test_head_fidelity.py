@@ -81,9 +81,10 @@ def test_without_the_entropy_the_log_probs_and_their_gradients_are_autograds(col
 @pytest.mark.parametrize("fused", [False, True])             # the backward's recompute, or grad_of's forward
 def test_without_the_entropy_logits_of_any_magnitude_give_autograds_log_probs_and_gradients(offset, fused,
                                                                                           monkeypatch):
-    """Without the entropy a CPU block is summed as exp(z) with no maximum subtracted, which holds
-    only while exp() stays in range: logits all shifted by +150 (exp overflows) or -150 (every term
-    underflows) still give autograd's log-probs and gradients (log_softmax does not see a shift)."""
+    """For the gradients of the log-prob alone (grad_of) a CPU block is summed as exp(z) with no
+    maximum subtracted, which holds only while exp() stays in range: logits all shifted by +150 (exp overflows), -150 (every term
+    underflows) or -97 (the terms among the denormals, the sum imprecise) still give autograd's
+    log-probs and gradients (log_softmax does not see a shift)."""
     monkeypatch.setattr(hl, "TILE_ROWS", 3)
     monkeypatch.setattr(hl, "TILE_COLS", 16)
     ran = {"unshifted": 0}
@@ -110,11 +111,26 @@ def test_without_the_entropy_logits_of_any_magnitude_give_autograds_log_probs_an
         logprob, _ = fn()
         (logprob * w_lp).sum().backward()
         results.append((logprob.detach(), hidden.grad.clone(), weight.grad.clone()))
-    assert ran["unshifted"] == (3 if offset == 0.0 else 0)   # 3 row blocks the short way, or none
+    assert ran["unshifted"] == (3 if offset == 0.0 and fused else 0)   # 3 row blocks the short way, or none
     # hidden's gradient along the offset's column is offset x (1 - sum p): Σp's rounding times the offset
     for mine, ref in zip(*results):
         assert torch.isfinite(mine).all()
         torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4 + 2e-5 * abs(offset))
+
+
+@pytest.mark.parametrize("cols", [16, 1000])
+def test_passes_without_gradients_give_the_same_log_probs_with_and_without_the_entropy(cols, monkeypatch):
+    """The reference's pass (no entropy) and the actor's old log-probs (with it) on the same weights
+    are the same bits, so the KL at the first step is exactly 0, as in verl."""
+    monkeypatch.setattr(hl, "TILE_ROWS", 3)
+    monkeypatch.setattr(hl, "TILE_COLS", cols)
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(64, 32, generator=g), torch.randn(1000, 32, generator=g)   # logits of several units
+    tokens = torch.randint(0, 1000, (64,), generator=g)
+    with torch.no_grad():
+        with_entropy, _ = hl.head_logprobs(hidden, weight, tokens, 0.7, with_entropy=True)
+        without, _ = hl.head_logprobs(hidden, weight, tokens, 0.7, with_entropy=False)
+    assert torch.equal(with_entropy, without)
 
 
 def test_a_tiny_loss_gradient_under_large_logits_keeps_its_digits(monkeypatch):
