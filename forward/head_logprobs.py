@@ -141,29 +141,28 @@ def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap, wit
 LSE_RANGE = (-60.0, 80.0)
 
 
-def _unshifted_forward(h, w, tokens, cols: int, t: float, dtype, scale, chosen, keep):
+def _unshifted_forward(h, w, tokens, cols: int, t: float, dtype, scale, chosen, keep: list):
     """_block_forward for the log-prob's gradients (grad_of, no entropy) on a CPU, as sum exp(z) with
     no running maximum subtracted: two passes over each tile (exp in place, sum) instead of four
-    (amax, subtract, exp, sum). The same log-sum-exp to fp32 rounding (the shift only keeps exp() in range, and the log-prob
-    is z - lse either way), checked afterwards: -> (logprob, None, lse), or None where a row's
-    log-sum-exp falls outside LSE_RANGE or is NaN (keep emptied of this block's entries; the caller
-    runs the shifted way). keep: as _block_forward's, each tile's (exp(z), None). W5's actor micro-
-    batch (1,400 response tokens, forward and gradients) 553 -> 511 ms (medians of 7, alternating).
-    Not for passes without gradients (see the module docstring: the same bits for the same weights)."""
+    (amax, subtract, exp, sum). The same log-sum-exp to fp32 rounding (the shift only keeps exp() in
+    range, and the log-prob is z - lse either way), checked afterwards: -> (logprob, None, lse), or
+    None where a row's log-sum-exp falls outside LSE_RANGE or is NaN (keep emptied of this block's
+    entries; the caller runs the shifted way). keep: grad_of's list, each tile's (exp(z), None)
+    appended. W5's actor micro-batch (1,400 response tokens, forward and gradients) 553 -> 511 ms
+    (medians of 7, alternating). Not for passes without gradients (see the module docstring: the
+    same bits for the same weights)."""
     total = None
-    start = len(keep) if keep is not None else 0
+    start = len(keep)
     for j, v0 in enumerate(range(0, w.shape[0], cols)):
         z = _logits(h, w[v0:v0 + cols], t, dtype, scale, None)                     # [r, c]
         here = _in_block(tokens, cols, j, w.shape[0])
         chosen[here[0]] = z[here]
         e = z.exp_()
-        if keep is not None:
-            keep.append((e, None))
+        keep.append((e, None))
         total = e.sum(-1) if total is None else total.add_(e.sum(-1))
     lse = total.log()
     if not bool(((lse > LSE_RANGE[0]) & (lse < LSE_RANGE[1])).all()):
-        if keep is not None:
-            del keep[start:]
+        del keep[start:]
         return None
     return chosen - lse, None, lse
 
