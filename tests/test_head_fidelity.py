@@ -133,6 +133,43 @@ def test_passes_without_gradients_give_the_same_log_probs_with_and_without_the_e
     assert torch.equal(with_entropy, without)
 
 
+@pytest.mark.parametrize("offset", [0.0, 150.0, -150.0, -97.0])   # in range; exp() overflows; every term underflows; to denormals
+def test_passes_without_gradients_give_float64s_log_probs_and_entropy_at_any_magnitude(offset, monkeypatch):
+    """Passes without gradients (the old and the reference log-probs) sum a CPU tile as exp(z), with no
+    maximum subtracted, and read the entropy off log-sum-exp - sum p z (verl's formula). Logits
+    shifted by +150, -150 or -97 (exp() out of range, log-sum-exp outside LSE_RANGE) run the shifted
+    way instead. Log-probs and entropy agree with float64 either way, the entropy to fp32's rounding
+    of the logits' size also where it is far below that (one logit 40 above the rest), and the short
+    way is taken exactly where it should be."""
+    monkeypatch.setattr(hl, "TILE_ROWS", 4)
+    monkeypatch.setattr(hl, "TILE_COLS", 16)
+    ran = {"short": 0}
+    short = hl._unshifted_pass
+    def counted(*args):
+        made = short(*args)
+        ran["short"] += made is not None
+        return made
+    monkeypatch.setattr(hl, "_unshifted_pass", counted)
+    g = torch.Generator().manual_seed(5)
+    hidden = 0.3 * torch.randn(8, 16, generator=g)                  # logits of a unit or so: entropies of a few nats
+    hidden[:, 0] = 1.0                                   # with weight[:, 0] = offset: every logit + offset
+    weight = torch.randn(50, 16, generator=g)
+    weight[:, 0] = offset
+    hidden[4:, 1], weight[:, 1] = 40.0, 0.0              # rows 4-7 (the second row block): token 7's logit 40 higher
+    weight[7, 1] = 1.0
+    tokens = torch.randint(0, 50, (8,), generator=g)
+    with torch.no_grad():
+        logprob, entropy = hl.head_logprobs(hidden, weight, tokens, 0.7, with_entropy=True)
+        without, _ = hl.head_logprobs(hidden, weight, tokens, 0.7, with_entropy=False)
+    ref_lp, ref_ent = autograd_reference(hidden.double(), weight.double(), tokens, 0.7, 1.0, None)
+    assert ran["short"] == (4 if offset == 0.0 else 0)   # 2 row blocks in each of the two passes, or none
+    assert torch.equal(logprob, without)                 # the same bits with and without the entropy
+    assert (ref_ent[4:] < 1e-12).all() and (ref_ent[:4] > 0.1).all()
+    largest = (hidden.double() @ weight.double().t() / 0.7).abs().amax(-1)   # [8] each row's largest logit
+    torch.testing.assert_close(logprob.double(), ref_lp, rtol=1e-5, atol=1e-5 + 1e-6 * abs(offset))
+    assert ((entropy.double() - ref_ent).abs() <= 1e-4 * ref_ent + 1e-6 * largest).all(), (entropy, ref_ent)
+
+
 def test_a_tiny_loss_gradient_under_large_logits_keeps_its_digits(monkeypatch):
     """Logits near 60 (log-sum-exp in range for the sums without a maximum) and a loss gradient of
     1e-20 a row: the gradients made in the forward are still autograd's, to fp32's relative precision,
