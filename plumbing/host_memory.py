@@ -264,13 +264,6 @@ def _release_pages(tensors, regions: list[tuple[int, int]]) -> int:
     return dropped
 
 
-def _shares_weight(a: torch.nn.Module, b) -> bool:
-    """Whether module b's weight is module a's (tied input and output embeddings)."""
-    wa, wb = getattr(a, "weight", None), getattr(b, "weight", None)
-    return (isinstance(wa, torch.Tensor) and isinstance(wb, torch.Tensor) and wa.numel() > 0
-            and wa.untyped_storage().data_ptr() == wb.untyped_storage().data_ptr())
-
-
 @contextmanager
 def frozen_pass(model):
     """A frozen model's pass (the reward model's scoring, the reference's log-probs): the weights of its
@@ -295,12 +288,6 @@ def frozen_pass(model):
         _release_pages([*module.parameters(), *module.buffers()], regions)
 
     embedding = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if isinstance(embedding, torch.nn.Module) and _shares_weight(embedding, head):
-        # tied (W3's reference): the LM head reads the whole table at the end of the same micro-batch,
-        # so dropping it after the lookup only had the head map it again, page by page (W3's reference
-        # pass, 2 micro-batches: 2,179 -> 896 minor faults); it leaves with the model after the pass
-        embedding = None
     modules = ([embedding] if isinstance(embedding, torch.nn.Module) else []) + decoder_layers(inner)
     handles = [m.register_forward_hook(after) for m in modules] if regions else []
     try:
