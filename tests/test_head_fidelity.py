@@ -77,6 +77,19 @@ def test_without_the_entropy_the_log_probs_and_their_gradients_are_autograds(col
         torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)
 
 
+def counting_short_way(monkeypatch, name: str) -> list:
+    """Patches head_logprobs' `name` (_unshifted_forward or _unshifted_pass), which gives None where a
+    row block must run the shifted way, to count the blocks it made: -> [count]."""
+    made, original = [0], getattr(hl, name)
+
+    def counted(*args):
+        result = original(*args)
+        made[0] += result is not None
+        return result
+    monkeypatch.setattr(hl, name, counted)
+    return made
+
+
 @pytest.mark.parametrize("offset", [0.0, 150.0, -150.0, -97.0])   # in range; exp() overflows; every term underflows; to denormals
 @pytest.mark.parametrize("fused", [False, True])             # the backward's recompute, or grad_of's forward
 def test_without_the_entropy_logits_of_any_magnitude_give_autograds_log_probs_and_gradients(offset, fused,
@@ -87,13 +100,7 @@ def test_without_the_entropy_logits_of_any_magnitude_give_autograds_log_probs_an
     log-probs and gradients (log_softmax does not see a shift)."""
     monkeypatch.setattr(hl, "TILE_ROWS", 3)
     monkeypatch.setattr(hl, "TILE_COLS", 16)
-    ran = {"unshifted": 0}
-    unshifted = hl._unshifted_forward
-    def counted(*args):
-        made = unshifted(*args)
-        ran["unshifted"] += made is not None
-        return made
-    monkeypatch.setattr(hl, "_unshifted_forward", counted)
+    short = counting_short_way(monkeypatch, "_unshifted_forward")
     g = torch.Generator().manual_seed(2)
     hidden = torch.randn(7, 16, generator=g)
     hidden[:, 0] = 1.0                                   # with weight[:, 0] = offset: every logit + offset
@@ -111,7 +118,7 @@ def test_without_the_entropy_logits_of_any_magnitude_give_autograds_log_probs_an
         logprob, _ = fn()
         (logprob * w_lp).sum().backward()
         results.append((logprob.detach(), hidden.grad.clone(), weight.grad.clone()))
-    assert ran["unshifted"] == (3 if offset == 0.0 and fused else 0)   # 3 row blocks the short way, or none
+    assert short[0] == (3 if offset == 0.0 and fused else 0)   # 3 row blocks the short way, or none
     # hidden's gradient along the offset's column is offset x (1 - sum p): Σp's rounding times the offset
     for mine, ref in zip(*results):
         assert torch.isfinite(mine).all()
@@ -143,13 +150,7 @@ def test_passes_without_gradients_give_float64s_log_probs_and_entropy_at_any_mag
     way is taken exactly where it should be."""
     monkeypatch.setattr(hl, "TILE_ROWS", 4)
     monkeypatch.setattr(hl, "TILE_COLS", 16)
-    ran = {"short": 0}
-    short = hl._unshifted_pass
-    def counted(*args):
-        made = short(*args)
-        ran["short"] += made is not None
-        return made
-    monkeypatch.setattr(hl, "_unshifted_pass", counted)
+    short = counting_short_way(monkeypatch, "_unshifted_pass")
     g = torch.Generator().manual_seed(5)
     hidden = 0.3 * torch.randn(8, 16, generator=g)                  # logits of a unit or so: entropies of a few nats
     hidden[:, 0] = 1.0                                   # with weight[:, 0] = offset: every logit + offset
@@ -162,7 +163,7 @@ def test_passes_without_gradients_give_float64s_log_probs_and_entropy_at_any_mag
         logprob, entropy = hl.head_logprobs(hidden, weight, tokens, 0.7, with_entropy=True)
         without, _ = hl.head_logprobs(hidden, weight, tokens, 0.7, with_entropy=False)
     ref_lp, ref_ent = autograd_reference(hidden.double(), weight.double(), tokens, 0.7, 1.0, None)
-    assert ran["short"] == (4 if offset == 0.0 else 0)   # 2 row blocks in each of the two passes, or none
+    assert short[0] == (4 if offset == 0.0 else 0)   # 2 row blocks in each of the two passes, or none
     assert torch.equal(logprob, without)                 # the same bits with and without the entropy
     assert (ref_ent[4:] < 1e-12).all() and (ref_ent[:4] > 0.1).all()
     largest = (hidden.double() @ weight.double().t() / 0.7).abs().amax(-1)   # [8] each row's largest logit
