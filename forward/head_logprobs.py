@@ -103,7 +103,9 @@ def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap, wit
     those can only be the log-prob's (no entropy, no soft-cap: _logprob_grads) the block's
     exp(z - m) and its m instead, as (e, m): p = e exp(m - lse) then costs a multiply, not a
     second exponential. For those gradients on a CPU the blocks are summed with no maximum
-    subtracted where that stays in range (_unshifted_forward), keeping (exp(z), None)."""
+    subtracted where that stays in range (_unshifted_forward), keeping (exp(z), None); so are a CPU
+    pass's without gradients (keep None, _unshifted_pass) unless `shifted` (a pass with gradients
+    but no grad_of, whose backward makes the logits again and subtracts this log-sum-exp)."""
     chosen = h.new_full((h.shape[0],), float("nan"), dtype=torch.float32)         # a token past the last block: NaN, not a stale number
     if keep is not None and not with_entropy and softcap is None and h.device.type == "cpu":
         made = _unshifted_forward(h, w, tokens, cols, t, dtype, scale, chosen, keep)
