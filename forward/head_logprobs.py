@@ -30,7 +30,7 @@ subtracted at all there: a tile is exponentiated in place and summed, two passes
 where every row's log-sum-exp comes out in range (_unshifted_forward), and the gradients from those
 exponentials take the softmax's scale and the one-hot on the rows' side of their matmuls
 (_unshifted_logprob_grads): W5's actor micro-batch 553 -> 511 ms, then 578 -> 535 ms. Passes without
-gradients sum the same way, the entropy read off log-sum-exp - sum p z beside it (_unshifted_pass),
+gradients sum the same way, the entropy read off log-sum-exp - sum p z beside it (_unshifted_forward),
 by the same operations with and without the entropy: the reference's log-probs and the actor's old
 ones are the same bits for the same weights (KL exactly 0 at the first step, as in verl); the
 update's differ from them by fp32 rounding, as any other batching's.
@@ -104,15 +104,12 @@ def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap, wit
     exp(z - m) and its m instead, as (e, m): p = e exp(m - lse) then costs a multiply, not a
     second exponential. For those gradients on a CPU the blocks are summed with no maximum
     subtracted where that stays in range (_unshifted_forward), keeping (exp(z), None); so are a CPU
-    pass's without gradients (keep None, _unshifted_pass) unless `shifted` (a pass with gradients
+    pass's without gradients (keep None, entropy or not) unless `shifted` (a pass with gradients
     but no grad_of, whose backward makes the logits again and subtracts this log-sum-exp)."""
     chosen = h.new_full((h.shape[0],), float("nan"), dtype=torch.float32)         # a token past the last block: NaN, not a stale number
-    if keep is not None and not with_entropy and softcap is None and h.device.type == "cpu":
-        made = _unshifted_forward(h, w, tokens, cols, t, dtype, scale, chosen, keep)
-        if made is not None:
-            return made
-    if keep is None and not shifted and softcap is None and h.device.type == "cpu":   # a pass without gradients
-        made = _unshifted_pass(h, w, tokens, cols, t, dtype, scale, chosen, with_entropy)
+    # grad_of's log-prob gradients, or a pass without gradients (keep None, not shifted)
+    if softcap is None and h.device.type == "cpu" and (not with_entropy if keep is not None else not shifted):
+        made = _unshifted_forward(h, w, tokens, cols, t, dtype, scale, chosen, with_entropy, keep)
         if made is not None:
             return made
     top = total = spread = None
@@ -149,61 +146,45 @@ def _block_forward(h, w, tokens, cols: int, t: float, dtype, scale, softcap, wit
 LSE_RANGE = (-60.0, 80.0)
 
 
-def _unshifted_forward(h, w, tokens, cols: int, t: float, dtype, scale, chosen, keep: list):
-    """_block_forward for the log-prob's gradients (grad_of, no entropy) on a CPU, as sum exp(z) with
-    no running maximum subtracted: two passes over each tile (exp in place, sum) instead of four
-    (amax, subtract, exp, sum). The same log-sum-exp to fp32 rounding (the shift only keeps exp() in
-    range, and the log-prob is z - lse either way), checked afterwards: -> (logprob, None, lse), or
+def _unshifted_forward(h, w, tokens, cols: int, t: float, dtype, scale, chosen, with_entropy: bool, keep=None):
+    """_block_forward on a CPU as sum exp(z), with no running maximum subtracted: two passes over each
+    tile (exp, sum) instead of four (amax, subtract, exp, sum), and with the entropy sum exp(z) z
+    beside them (four instead of six). Two callers:
+    - the log-prob's gradients (grad_of, no entropy): keep is grad_of's list, each tile's (exp(z),
+      None) appended. W5's actor micro-batch (1,400 response tokens, forward and gradients) 553 ->
+      511 ms (medians of 7, alternating).
+    - passes without gradients (the old and the reference log-probs; keep None). The log-sum-exp is
+      made by the same operations in the same order whether or not the entropy is wanted, so the
+      actor's old log-probs (with it) and the reference's (without) are the same bits for the same
+      weights: the KL is exactly 0 at the first step, as in verl. The entropy is then its definition
+      as verl computes it (entropy_from_logits: logsumexp - sum softmax * logits), a difference of two
+      numbers of the logits' size, to fp32's rounding of them (about 1e-7 of the largest logit), where
+      the shifted way is exact to fp32 also for entropies far below that. The forward phase's passes,
+      medians of 5 alternating in one process: W5 at 512 (about 2,750 response tokens a step) the
+      actor's 650 -> 557 ms, the reference's 580 -> 519; W3 325 -> 299 and 317 -> 288.
+    The same log-sum-exp as the shifted way to fp32 rounding (the shift only keeps exp() in range, and
+    the log-prob is z - lse either way), checked afterwards: -> (logprob, entropy or None, lse), or
     None where a row's log-sum-exp falls outside LSE_RANGE or is NaN (keep emptied of this block's
-    entries; the caller runs the shifted way). keep: grad_of's list, each tile's (exp(z), None)
-    appended. W5's actor micro-batch (1,400 response tokens, forward and gradients) 553 -> 511 ms
-    (medians of 7, alternating). Passes without gradients: _unshifted_pass."""
-    total = None
-    start = len(keep)
-    for j, v0 in enumerate(range(0, w.shape[0], cols)):
-        z = _logits(h, w[v0:v0 + cols], t, dtype, scale, None)                     # [r, c]
-        here = _in_block(tokens, cols, j, w.shape[0])
-        chosen[here[0]] = z[here]
-        e = z.exp_()
-        keep.append((e, None))
-        total = e.sum(-1) if total is None else total.add_(e.sum(-1))
-    lse = total.log()
-    if not bool(((lse > LSE_RANGE[0]) & (lse < LSE_RANGE[1])).all()):
-        del keep[start:]
-        return None
-    return chosen - lse, None, lse
-
-
-def _unshifted_pass(h, w, tokens, cols: int, t: float, dtype, scale, chosen, with_entropy: bool):
-    """_block_forward for a pass without gradients (the old and the reference log-probs) on a CPU:
-    each tile exponentiated and summed with no running maximum, as _unshifted_forward, and for the
-    entropy sum exp(z) z beside it: two passes over a tile instead of four, four instead of six with
-    the entropy. The log-sum-exp is made by the same operations in the same order whether or not the
-    entropy is wanted, so the actor's old log-probs (with it) and the reference's (without) are the
-    same bits for the same weights: the KL is exactly 0 at the first step, as in verl. -> (logprob,
-    entropy or None, lse), or None where a row's log-sum-exp leaves LSE_RANGE or is NaN (the caller
-    runs the shifted way, for both passes alike). The entropy is then its definition as verl
-    computes it (entropy_from_logits: logsumexp - sum softmax * logits), a difference of two numbers of
-    the logits' size, to fp32's rounding of them (about 1e-7 of the largest logit), where the shifted
-    way is exact to fp32 also for entropies far below that. The forward phase's passes, medians of 5
-    alternating in one process: W5 at 512 (about 2,750 response tokens a step) the actor's 650 -> 557
-    ms, the reference's 580 -> 519; W3 325 -> 299 and 317 -> 288."""
+    entries; the caller runs the shifted way, for both passes alike)."""
     total = spread = None
+    start = len(keep) if keep is not None else 0
     for j, v0 in enumerate(range(0, w.shape[0], cols)):
         z = _logits(h, w[v0:v0 + cols], t, dtype, scale, None)                     # [r, c]
         here = _in_block(tokens, cols, j, w.shape[0])
         chosen[here[0]] = z[here]
         e = torch.exp(z) if with_entropy else z.exp_()
+        if keep is not None:
+            keep.append((e, None))
         total = e.sum(-1) if total is None else total.add_(e.sum(-1))
         if with_entropy:
             ez = e.mul_(z).sum(-1)
             spread = ez if spread is None else spread.add_(ez)
     lse = total.log()
     if not bool(((lse > LSE_RANGE[0]) & (lse < LSE_RANGE[1])).all()):
+        if keep is not None:
+            del keep[start:]
         return None
-    if not with_entropy:
-        return chosen - lse, None, lse
-    return chosen - lse, lse - spread / total, lse
+    return chosen - lse, lse - spread / total if with_entropy else None, lse
 
 
 class _HeadLogprobs(torch.autograd.Function):

@@ -78,8 +78,8 @@ def test_without_the_entropy_the_log_probs_and_their_gradients_are_autograds(col
 
 
 def counting_short_way(monkeypatch, name: str) -> list:
-    """Patches head_logprobs' `name` (_unshifted_forward or _unshifted_pass), which gives None where a
-    row block must run the shifted way, to count the blocks it made: -> [count]."""
+    """Patches head_logprobs' `name` (_unshifted_forward), which gives None where a row block must run
+    the shifted way, to count the blocks it made: -> [count]."""
     made, original = [0], getattr(hl, name)
 
     def counted(*args):
@@ -150,7 +150,7 @@ def test_passes_without_gradients_give_float64s_log_probs_and_entropy_at_any_mag
     way is taken exactly where it should be."""
     monkeypatch.setattr(hl, "TILE_ROWS", 4)
     monkeypatch.setattr(hl, "TILE_COLS", 16)
-    short = counting_short_way(monkeypatch, "_unshifted_pass")
+    short = counting_short_way(monkeypatch, "_unshifted_forward")
     g = torch.Generator().manual_seed(5)
     hidden = 0.3 * torch.randn(8, 16, generator=g)                  # logits of a unit or so: entropies of a few nats
     hidden[:, 0] = 1.0                                   # with weight[:, 0] = offset: every logit + offset
