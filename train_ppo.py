@@ -593,6 +593,7 @@ def setup(cfg: Config) -> Run:
                           close_timeout_s=cfg.mlflow_close_timeout_s, wandb=cfg.wandb,
                           datasets={"training": _split_files(cfg.train_files), "validation": _split_files(cfg.val_files),
                                     "sft": _split_files(cfg.sft_files)})
+    host_memory.release_code_pages()   # the libraries' pages that imports and setup read, out of the resident set
     return run
 
 

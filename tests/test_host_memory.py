@@ -273,6 +273,71 @@ def test_frozen_weights_leave_resident_memory_and_come_back_the_same(tmp_path):
     assert got["dropped_converted"] == 0 and got["nothing"] == 0, got
 
 
+CODE_PAGES = """
+import ctypes, json, mmap, os, sys, torch
+from plumbing import host_memory
+folder, page = sys.argv[1], os.sysconf("SC_PAGE_SIZE")
+libc = ctypes.CDLL("libc.so.6")
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+def mapping(path):   # (start, end, permissions) of the file's mapping, from /proc/self/maps
+    for line in open("/proc/self/maps"):
+        f = line.split(maxsplit=5)
+        if len(f) == 6 and f[5].strip() == path:
+            return (*(int(x, 16) for x in f[0].split("-")), f[1])
+def rss_file():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssFile"))
+maps = {}
+for name in ("clean", "written"):
+    path = os.path.join(folder, name)
+    with open(path, "wb") as f:
+        f.write(bytes(range(256)) * (64 * page // 256))
+    fd = os.open(path, os.O_RDONLY)
+    writable = name == "written"
+    m = mmap.mmap(fd, 64 * page, flags=mmap.MAP_PRIVATE,
+                  prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+    if writable:
+        m[page + 3] = 7                                     # one page the process's own (copied on write)
+    sum(m[i * page] for i in range(64))                     # every page read: resident
+    start, end, _ = mapping(path)
+    if writable:
+        assert libc.mprotect(start, end - start, mmap.PROT_READ) == 0   # read-only now, as RELRO is
+    maps[name] = (m, path, start, end)
+x = torch.randn(64, 64)
+before_mm = x @ x
+out = {"perms": {k: mapping(v[1])[2] for k, v in maps.items()}}
+out["clean_before"] = host_memory._file_pages(*maps["clean"][2:])
+rss = rss_file()
+out["dropped"] = host_memory.release_code_pages()
+out["rss_fell"] = rss - rss_file()
+out["clean_after"] = host_memory._file_pages(*maps["clean"][2:])
+out["written_kept"] = maps["written"][0][page + 3] == 7 and maps["written"][0][page + 4] == 4
+out["clean_same"] = bytes(maps["clean"][0][:]) == bytes(range(256)) * (64 * page // 256)
+out["torch_same"] = bool(torch.equal(x @ x, before_mm))
+out["dropped_again"] = host_memory.release_code_pages()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/pagemap", os.R_OK), reason="Linux's /proc/self/maps and pagemap")
+def test_library_pages_leave_resident_memory_and_a_written_mapping_stays(tmp_path):
+    """After importing torch: the read-only file mappings' pages (the libraries' code above all, and a
+    256 KiB file mapped read-only and read through) leave the resident set, RssFile falls as much as
+    reported, and what is read again comes back the same (the file's bytes, a matmul's bits). A
+    mapping made read-only after one of its pages was written (as a library's relocated data is)
+    keeps that page: dropping it would lose the write."""
+    import json
+    proc = subprocess.run([sys.executable, "-c", CODE_PAGES, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["perms"] == {"clean": "r--p", "written": "r--p"}, got
+    assert got["clean_before"] == 64 * os.sysconf("SC_PAGE_SIZE") and got["clean_after"] == 0, got
+    assert got["dropped"] > 10 * 2**20, got                       # torch's libraries: tens of MB
+    assert got["rss_fell"] >= 0.9 * got["dropped"], got
+    assert got["written_kept"] and got["clean_same"] and got["torch_same"], got
+    assert got["dropped_again"] < 0.5 * got["dropped"], got      # only what was read since
+
+
 PER_LAYER = """
 import json, os, sys, torch
 from transformers import AutoModelForCausalLM, Qwen2Config
