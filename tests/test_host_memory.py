@@ -333,7 +333,7 @@ def test_library_pages_leave_resident_memory_and_a_written_mapping_stays(tmp_pat
     assert got["perms"] == {"clean": "r--p", "written": "r--p"}, got
     assert got["clean_before"] == 64 * os.sysconf("SC_PAGE_SIZE") and got["clean_after"] == 0, got
     assert got["dropped"] > 10 * 2**20, got                       # torch's libraries: tens of MB
-    assert got["rss_fell"] >= 0.9 * got["dropped"], got
+    assert got["rss_fell"] >= 0.8 * got["dropped"], got          # less what the call itself reads again
     assert got["written_kept"] and got["clean_same"] and got["torch_same"], got
     assert got["dropped_again"] < 0.5 * got["dropped"], got      # only what was read since
 
