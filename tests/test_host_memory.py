@@ -321,8 +321,8 @@ print(json.dumps(out))
 @pytest.mark.skipif(not os.access("/proc/self/pagemap", os.R_OK), reason="Linux's /proc/self/maps and pagemap")
 def test_library_pages_leave_resident_memory_and_a_written_mapping_stays(tmp_path):
     """After importing torch: the read-only file mappings' pages (the libraries' code above all, and a
-    256 KiB file mapped read-only and read through) leave the resident set, RssFile falls as much as
-    reported, and what is read again comes back the same (the file's bytes, a matmul's bits). A
+    256 KiB file mapped read-only and read through) leave the resident set, RssFile falls by about as
+    much as reported, and what is read again comes back the same (the file's bytes, a matmul's bits). A
     mapping made read-only after one of its pages was written (as a library's relocated data is)
     keeps that page: dropping it would lose the write."""
     import json
