@@ -22,7 +22,7 @@ row (grad_of), the extra matmul goes: the forward keeps a row block's logits, bl
 they are made, until the log-prob and entropy of those rows, and so the loss's gradient there,
 are known, turns them into the gradients of hidden and weight, and lets them go; the backward
 checks that the gradient that comes is that one, bit for bit, and hands them on. One row
-block's logits live at a time (on CPUs up to KEPT_ELEMENTS: 256 rows of a 32k vocabulary); W5's
+block's logits live at a time (on CPUs up to KEPT_ELEMENTS: 512 rows of a 32k vocabulary); W5's
 head (1,376 rows x 32,768 x 256) forward and backward took 568 -> 480 ms. Where the gradient can
 only be the log-prob's (no entropy, no soft-cap) the forward keeps exp(z - m) instead of z, and
 the softmax is then a multiply, not a second exponential (489 -> 476 ms). On a CPU no maximum is
@@ -59,10 +59,13 @@ CHUNK_ELEMENTS = 1 << 22    # truncated_logprobs' whole rows on CPUs: 4M floats 
 # (1,400 tokens x 32,768 x 256) took 320 -> 200 ms forward, 820 -> 630 ms forward and backward
 TILE_ROWS = 512
 TILE_COLS = 1024
-# with grad_of a CPU row block's logits are kept until its gradients are made: at most 32 MB of
-# them (256 rows of a 32k vocabulary, 55 of Qwen's 152k). W5's actor micro-batch (1,462 response
-# tokens) 1,011 -> 920 ms; 64 MB (all 512 rows) saved 128 ms, but put W3's peak RSS up 90-140 MB
-KEPT_ELEMENTS = 1 << 23
+# with grad_of a CPU row block's logits are kept until its gradients are made: at most 64 MB of
+# them (a whole TILE_ROWS block of a 32k vocabulary, 110 rows of Qwen's 152k). W5's actor
+# micro-batch (1,462 response tokens) 1,011 -> 920 ms at 32 MB; at 64 MB each [cols, H] slice of
+# the weight is multiplied once per 512 rows instead of once per 256: W3's actor update 3.14 ->
+# 3.02 s, W5's at 512 5.59 -> 5.51 s (medians of 4, alternating in one process), W3's peak RSS
+# 20-33 MB up (1.124 -> 1.157 and 1.141 -> 1.160 GB, the heap keeps the larger block's pages)
+KEPT_ELEMENTS = 1 << 24
 # on GPUs a chunk is a matmul: too few rows leave the device idle (13 rows of a 152k vocabulary
 # cost one kernel launch and one full read of the [V, H] weight each), so chunks go by rows,
 # at least CUDA_MIN_ROWS, up to 256M logits (1 GB in fp32; a few such buffers live at once), and
