@@ -94,10 +94,14 @@ def optimizer_step(model, optim, max_norm: float, ds: bool) -> tuple[float, bool
         norm = model.get_global_grad_norm()
         norm = float("nan") if norm is None else float(norm)
         return norm, model.skipped_steps > skipped_before or not math.isfinite(norm)
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = float(total)
     if not math.isfinite(norm):
         optim.zero_grad(set_to_none=True)
         return norm, True
+    if float(max_norm / (total + 1e-6)) < 1.0:   # clip_grad_norm_'s scaling, but for a factor of 1 (no bit changes)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     optim.step()
     optim.zero_grad(set_to_none=True)
     return norm, False

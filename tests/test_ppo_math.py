@@ -1000,3 +1000,35 @@ def test_bypass_logprob_diff_is_the_token_weighted_mean_of_the_first_mini_batch(
     expected = float(((batch["old_logprob"] - actor).abs() * mask).sum() / mask.sum())   # (4 + 7 * 0.5) / 8
     assert expected == pytest.approx(7.5 / 8, rel=1e-5)
     assert metrics["rollout/logprob_diff"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("scale", [10.0, 0.01])   # a gradient norm above max_grad_norm (clipped), below it (not)
+def test_optimizer_step_clips_as_clip_grad_norm_and_leaves_a_gradient_under_the_limit_unwritten(scale):
+    """optimizer_step without DeepSpeed: the same parameters, bit for bit, as clip_grad_norm_ then
+    AdamW; the gradients are multiplied only when the norm is above the limit (their version
+    counters move then and only then: a multiply by 1 is work that changes no bit)."""
+    import train_ppo
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01, fused=True) for m in models]
+    grads = [torch.randn_like(p) * scale for p in models[0].parameters()]
+    for m in models:
+        for p, g in zip(m.parameters(), grads):
+            p.grad = g.clone()
+    expected_norm = float(torch.nn.utils.clip_grad_norm_(models[1].parameters(), 1.0))
+    optims[1].step()
+    versions = [p.grad._version for p in models[0].parameters()]
+    seen = []
+    step = optims[0].step
+    optims[0].step = lambda: (seen.extend(p.grad._version for p in models[0].parameters()), step())
+    norm, skipped = train_ppo.optimizer_step(models[0], optims[0], 1.0, ds=False)
+    assert (norm, skipped) == (expected_norm, False)
+    assert (expected_norm > 1.0) == (scale > 1.0)
+    assert all(p.grad is None for p in models[0].parameters())                       # zeroed after the step
+    if scale > 1.0:
+        assert all(after > before for after, before in zip(seen, versions))
+    else:
+        assert seen == versions
+    for got, want in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(got, want)
