@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from forward import packing
 from forward.head_logprobs import head_matmul, sampling_support
-from rollout import RolloutOutput, SamplingParams, Share, cut_at_eos
+from rollout import RolloutOutput, SamplingParams, Share, cut_at_eos, lean_decoding
 
 
 CDF_BLOCK = 256   # vocabulary entries the Sampler's inverse CDF sums as one (inverse_cdf)
@@ -65,11 +65,14 @@ class HFEngine:
                 # inference mode inside the contexts (a ZeRO-3 gather's buffers stay normal tensors): no
                 # version counters or autograd metadata on decoding's ~800 small ops a token (W5: 3-5% faster)
                 stack.enter_context(torch.inference_mode())
-                stack.enter_context(_decoding_linears(self.model, params.max_tokens))
+                # decoders of the Llama form step without generate() (rollout/lean_decoding.py), their
+                # layers' weights packed there; the rest keep generate() and _decoding_linears' packing
+                step = lean_decoding.decoder(self.model) if params.max_tokens >= PACK_MIN_TOKENS else None
+                stack.enter_context(_decoding_linears(self.model, params.max_tokens, layers=step is None))
                 for i in range(0, len(expanded), self.micro_batch_size):
                     sampler = None if seed is None else Sampler(params, seed, keys[i:i + self.micro_batch_size])
                     chunk = self._generate_chunk(expanded[i:i + self.micro_batch_size], gen_cfg,
-                                                 LogitsProcessorList([sampler] if sampler else []))
+                                                 LogitsProcessorList([sampler] if sampler else []), step)
                     responses += chunk
                     if sampler is not None:
                         logprobs += [row[:len(tokens)] for row, tokens in zip(sampler.logprobs(), chunk)]
@@ -86,12 +89,15 @@ class HFEngine:
         from torch's RNG (none for greedy)."""
         return None if params.temperature == 0 else int(torch.randint(2**62, ()))
 
-    def _generate_chunk(self, prompts: list[list[int]], gen_cfg: GenerationConfig, processors) -> list[list[int]]:
+    def _generate_chunk(self, prompts: list[list[int]], gen_cfg: GenerationConfig, processors,
+                        step=None) -> list[list[int]]:
         """The responses to these prompts. generate() keeps a row that reached EOS in the batch until
         the longest ends, each step paying for it (at long caches a row costs about as much as the
         weights it reads); so, where the cache can be carried over (growing_cache), generation goes
         in waves of WAVE tokens, and the rows that ended leave the batch and the cache between them.
-        Each row's draws are its own (Sampler), so the waves sample what one call does."""
+        Each row's draws are its own (Sampler), so the waves sample what one call does. step: the
+        lean decoding step (lean_decoding.decoder), which decodes instead of generate() where the
+        prompts' keys and values were laid into the growing cache (packed_prefill)."""
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)      # [b, P] left-padded
@@ -101,16 +107,21 @@ class HFEngine:
             mask[row, width - len(p):] = 1
         ids, mask = ids.to(device), mask.to(device)
         cache = growing_cache(self.model, width + gen_cfg.max_new_tokens)          # None: generate() builds its own
-        if cache is not None:   # every prompt but its last token, packed: generate() starts at the last column
-            packed_prefill(self.model, prompts, cache, width)
+        # every prompt but its last token, packed: generate() starts at the last column
+        prefilled = cache is not None and packed_prefill(self.model, prompts, cache, width)
+        step = step if prefilled else None
         kept = {"past_key_values": cache} if cache is not None else {}
         wave = gen_cfg.max_new_tokens if cache is None or gen_cfg.eos_token_id is None else WAVE
         alive, responses, left = list(range(len(prompts))), [[] for _ in prompts], gen_cfg.max_new_tokens
         while True:
             step_cfg = copy.copy(gen_cfg)
             step_cfg.max_new_tokens = min(wave, left)
-            out = self.model.generate(ids, attention_mask=mask, generation_config=step_cfg, logits_processor=processors,
-                                      synced_gpus=False, **kept)   # the caller provides full weights (contexts)
+            if step is not None:
+                out = lean_decoding.generate(step, ids, mask, cache, step_cfg.max_new_tokens,
+                                             processors[0] if processors else None, step_cfg.eos_token_id)
+            else:   # the caller provides full weights (contexts)
+                out = self.model.generate(ids, attention_mask=mask, generation_config=step_cfg,
+                                          logits_processor=processors, synced_gpus=False, **kept)
             new = out[:, ids.shape[1]:]                                                # [a, <= wave]
             left -= new.shape[1]
             ended = []
@@ -151,7 +162,7 @@ class HFEngine:
 
 
 @contextmanager
-def _decoding_linears(model, steps: int):
+def _decoding_linears(model, steps: int, layers: bool = True):
     """A CPU model's linear layers, for one generate() call of up to `steps` tokens. Decoding
     multiplies a few rows (one per sequence) by each weight, and MKL repacks the weight at every
     call, which at these shapes costs more than the arithmetic, most of all for the LM head's
@@ -171,7 +182,8 @@ def _decoding_linears(model, steps: int):
     1,536 x 50,000, 16 rows x 64 tokens 2.86 -> 2.25 -> 2.03 s.
     On this CPU a row's outputs are the same bits whatever other rows share the call (MKL's W @
     hidden^T changes them under 10 rows), and equal hidden @ W^T to fp32 rounding (1e-6 relative). The
-    packed copies live for the call. A head not packed runs as head_matmul (W @ hidden^T, which
+    packed copies live for the call. layers=False: the head alone (the lean decoding step packs the
+    layers its own way). A head not packed runs as head_matmul (W @ hidden^T, which
     MKL runs up to 3x faster than hidden @ W^T) on CPUs, and as it is on other devices."""
     head = model.get_output_embeddings()
     plain_head = type(head) is torch.nn.Linear and head.weight.device.type == "cpu" and "forward" not in vars(head)
@@ -180,7 +192,7 @@ def _decoding_linears(model, steps: int):
     if plain_head:
         head.forward = _head_forward(head, _packed(head.weight) if pack else None)
         swapped.append(head)
-    for module in model.modules() if pack else ():
+    for module in model.modules() if pack and layers else ():
         if (type(module) is torch.nn.Linear and module is not head and module.weight.requires_grad
                 and module.weight.device.type == "cpu" and module.weight.numel() >= PACK_MIN_ELEMENTS
                 and not (module._forward_hooks or module._forward_pre_hooks or hasattr(module.weight, "ds_id")
@@ -370,6 +382,12 @@ class Sampler(LogitsProcessor):
         self._drawn: list[list[float]] = []                                        # per row, a log-prob per step
 
     def __call__(self, input_ids, scores):
+        """The drawn token's column 0 and every other -inf: generate()'s argmax takes it."""
+        z, token = self.draw(scores)
+        return z[:, :scores.shape[1]].fill_(float("-inf")).scatter_(-1, token, 0.0)
+
+    def draw(self, scores):
+        """Each row's next token -> (the buffer the draw used, [b, V'], free to overwrite; token [b, 1])."""
         b, vocab = scores.shape
         # a head not packed gives head_matmul's logits, a transposed view: each row's reductions run
         # 5-50x faster on a contiguous copy (one pass) than along the view's strided rows; the copy
@@ -392,7 +410,7 @@ class Sampler(LogitsProcessor):
         drawn = (weights.gather(-1, token).double() / total).log().squeeze(-1)       # [b] kept, renormalised
         for row, logprob in zip(self._alive, drawn.float().tolist()):
             self._drawn[row].append(logprob)
-        return weights[:, :vocab].fill_(float("-inf")).scatter_(-1, token, 0.0)     # for generate()'s argmax
+        return weights, token
 
     def keep(self, stay: list[int]) -> None:
         """Only the batch's rows `stay` go on (the others ended): their generators go on drawing."""

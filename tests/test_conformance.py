@@ -201,6 +201,62 @@ def test_hf_engine_in_waves_samples_what_one_call_does(model_type, saved, monkey
         torch.testing.assert_close(torch.tensor(drawn), own, **TOL)
 
 
+@pytest.mark.parametrize("model_type", [t if t in FAST else pytest.param(t, marks=pytest.mark.slow)
+                                        for t in model_registry.families()
+                                        if t not in loading.REFUSED and t not in model_registry.ACAUSAL])
+def test_lean_decoding_samples_what_generate_does_where_the_model_qualifies(model_type, saved, monkeypatch):
+    """rollout/lean_decoding.py's step instead of generate() (and the model's forward): taken
+    exactly where the model qualifies, and then the same responses as generate()'s, rows ending at
+    stop tokens in waves of 5, and each drawn token's log-prob generate()'s to fp32 rounding."""
+    import rollout.hf as hf
+    from rollout import lean_decoding
+    tokenizer, actor, _, _, _ = load_models(Config(model_path=str(saved(model_type)), remove_padding=True))
+    stops = [t for t in range(actor.get_input_embeddings().num_embeddings) if t % 8 == 3]
+    real, taken, runs = lean_decoding.decoder, [], {}
+    monkeypatch.setattr(hf, "WAVE", 5)
+    for lean in (True, False):
+        monkeypatch.setattr(lean_decoding, "decoder", (lambda model: taken.append(real(model)) or taken[-1])
+                            if lean else (lambda model: None))
+        torch.manual_seed(0)
+        runs[lean] = HFEngine(actor, stops, tokenizer.pad_token_id).generate(PROMPTS, SamplingParams(max_tokens=12))
+    assert (taken[0] is not None) == (lean_decoding.unfit(actor) is None)
+    assert (taken[0] is not None) == (model_type in ("llama", "qwen2")) or model_type not in FAST
+    assert runs[True].responses == runs[False].responses, (runs[True].responses, runs[False].responses)
+    assert len({len(r) for r in runs[True].responses}) > 1                      # rows ended at different steps
+    for a, b in zip(runs[True].logprobs, runs[False].logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **TOL)
+
+
+def test_lean_decoding_probe_refuses_a_model_of_the_llama_form_with_other_math(saved, monkeypatch):
+    """Granite's modules have the Llama form and its multipliers (embedding, residual, attention,
+    logits) change the math: the structure passes, the probe refuses it, the engine keeps
+    generate(). A qualifying Llama is refused by a fresh probe once the step's rotation is bent."""
+    from rollout import lean_decoding
+    _, granite, _, _, _ = load_models(Config(model_path=str(saved("granite")), remove_padding=True))
+    _, llama, _, _, _ = load_models(Config(model_path=str(saved("llama")), remove_padding=True))
+    assert lean_decoding._structure(granite) is None
+    with torch.inference_mode():
+        assert lean_decoding.unfit(granite).startswith("the lean step's logits differ from its own forward's")
+        assert lean_decoding.decoder(granite) is None
+        assert lean_decoding.unfit(llama) is None and lean_decoding.decoder(llama) is not None
+        rotated = lean_decoding._rotated
+        monkeypatch.setattr(lean_decoding, "_rotated", lambda x, cos, sin: rotated(x, cos, -sin))
+        delattr(llama, lean_decoding.ATTRIBUTE)   # decided again
+        assert lean_decoding.unfit(llama).startswith("the lean step's logits differ from its own forward's")
+
+
+def test_lean_decoding_ends_a_call_when_every_row_has_drawn_a_stop_token(saved, monkeypatch):
+    """Every token a stop token: each response is one token, drawn in one lean step per call."""
+    from rollout import lean_decoding
+    tokenizer, llama, _, _, _ = load_models(Config(model_path=str(saved("llama")), remove_padding=True))
+    steps, call = [], lean_decoding.Step.__call__
+    monkeypatch.setattr(lean_decoding.Step, "__call__", lambda self, *args: steps.append(1) or call(self, *args))
+    stops = list(range(llama.get_input_embeddings().num_embeddings))
+    out = HFEngine(llama, stops, tokenizer.pad_token_id).generate(PROMPTS, SamplingParams(max_tokens=12))
+    assert [len(r) for r in out.responses] == [1] * len(PROMPTS)
+    assert len(steps) == 1 + 6   # this call's one step, and the probe's six (the model's first decision)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "cohere", "granite", "gpt2"])
 def test_hf_engine_packed_prefill_samples_what_the_padded_one_does(model_type, saved, monkeypatch):
     """The prompts' keys and values computed packed (rollout/hf.py's packed_prefill, one prompt of
