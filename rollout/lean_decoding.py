@@ -5,14 +5,17 @@ A decoding step multiplies a few rows (one per sequence) by every weight: on a C
 is small and each operation's fixed cost is not. generate() adds its own per-token work (its
 stopping criteria, its input and mask bookkeeping), and the model's forward builds a 4-D mask,
 the rotary angles and ~30 module calls a layer. Here a step is: the embedding, the rotary angles
-once, and per layer the model's own input norm, one matmul for q, k and v (their weights stacked),
-the rotation, the KV cache's write, SDPA (grouped KV heads read in place), o, the model's own
-post-attention norm, one matmul for gate and up, the model's own activation, down; then the
-model's own final norm and head. Each weight is in oneDNN's blocked layout for the call (as
-rollout/hf.py's _decoding_linears packs the head). generate() calls against these steps,
-alternating in one process (medians of 4): W5's 8 rows x 384 tokens 2.61 -> 2.02 s, x 512 ending
-at EOS 3.52 -> 2.65 s, W3's 16 rows x 64 tokens 0.63 -> 0.54 s; the same tokens, log-probs within
-3e-6.
+once, and per layer the input norm, one matmul for q, k and v (their weights stacked), the
+rotation (q and k in one), the KV cache's write, SDPA (grouped KV heads read in place), o with the
+residual added in its epilogue, the post-attention norm, one matmul for gate and up, the model's
+own activation, down (the residual added likewise); then the final norm and the model's own head.
+A norm is F.rms_norm on the module's weight where that gives the module's output bit for bit
+(_norm: Llama's and Qwen's RMSNorm), else the module. Each weight is in oneDNN's blocked layout
+for the call (as rollout/hf.py's _decoding_linears packs the head). generate() calls against
+these steps, alternating in one process (medians of 4): W5's 8 rows x 384 tokens 2.61 -> 2.02 s,
+x 512 ending at EOS 3.52 -> 2.65 s, W3's 16 rows x 64 tokens 0.63 -> 0.54 s; the same tokens,
+log-probs within 3e-6. The fused norms, the one rotation and the epilogue sums (the same bits):
+W5's 8 rows x 128 tokens 0.941 -> 0.875 s (medians of 16, alternating, on a Zen 3 CPU).
 
 Which models qualify is decided on the model, once (`unfit`): the CausalLM's base holds exactly
 embed_tokens, layers, norm and rotary_emb; each layer exactly self_attn (q_proj, k_proj, v_proj,
@@ -84,6 +87,8 @@ class Step:
         base = _base(model)
         self.model, self.base, self.layers = model, base, list(base.layers)
         self.packed = packed                                             # per layer: (qkv, qkv bias, o, gate-up, down)
+        self.norms = [(_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)) for layer in self.layers]
+        self.final_norm = _norm(base.norm)
         attention = self.layers[0].self_attn
         self.heads = model.config.num_attention_heads
         self.kv_heads = getattr(model.config, "num_key_value_heads", None) or self.heads
@@ -97,22 +102,21 @@ class Step:
         a, d = tokens.shape[0], self.head_dim
         x = self.base.embed_tokens(tokens)                                                  # [a, H]
         cos, sin = self.base.rotary_emb(x[:, None], positions[:, None])                     # [a, 1, d] each
-        q_end, k_end = self.heads * d, (self.heads + self.kv_heads) * d
+        h, k_end = self.heads, (self.heads + self.kv_heads) * d
         mask = see[:, None, None, :]                                                        # [a, 1, 1, C]
-        for layer, slot, (qkv_w, qkv_b, o_w, o_b, gu_w, gu_b, down_w, down_b) in zip(self.layers, cache.layers,
-                                                                                     self.packed):
-            qkv = _linear(layer.input_layernorm(x), qkv_w, qkv_b)                          # [a, (h + 2 kv) d]
-            q = _rotated(qkv[:, :q_end].view(a, self.heads, d), cos, sin)                   # [a, h, d]
-            k = _rotated(qkv[:, q_end:k_end].view(a, self.kv_heads, d), cos, sin)           # [a, kv, d]
-            keys, values = slot.update(k[:, :, None], qkv[:, k_end:].view(a, self.kv_heads, 1, d))   # [a, kv, C, d]
-            out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask,
+        for layer, slot, (input_norm, post_norm), (qkv_w, qkv_b, o_w, o_b, gu_w, gu_b, down_w, down_b) in zip(
+                self.layers, cache.layers, self.norms, self.packed):
+            qkv = _linear(input_norm(x), qkv_w, qkv_b)                                      # [a, (h + 2 kv) d]
+            qk = _rotated(qkv[:, :k_end].view(a, h + self.kv_heads, d), cos, sin)           # [a, h + kv, d]
+            keys, values = slot.update(qk[:, h:, None], qkv[:, k_end:].view(a, self.kv_heads, 1, d))   # [a, kv, C, d]
+            out = F.scaled_dot_product_attention(qk[:, :h, None], keys, values, attn_mask=mask,
                                                  scale=layer.self_attn.scaling,
-                                                 enable_gqa=self.kv_heads != self.heads)    # [a, h, 1, d]
-            x = x + _linear(out.reshape(a, self.heads * d), o_w, o_b)
-            gate_up = _linear(layer.post_attention_layernorm(x), gu_w, gu_b)               # [a, 2 I]
+                                                 enable_gqa=self.kv_heads != h)             # [a, h, 1, d]
+            x = _linear_added(out.reshape(a, h * d), o_w, o_b, x)                           # x + o(out)
+            gate_up = _linear(post_norm(x), gu_w, gu_b)                                     # [a, 2 I]
             mid = layer.mlp.act_fn(gate_up[:, :self.intermediate]).mul_(gate_up[:, self.intermediate:])
-            x = x + _linear(mid, down_w, down_b)
-        return self.model.get_output_embeddings()(self.base.norm(x))                       # [a, V]
+            x = _linear_added(mid, down_w, down_b, x)                                       # x + down(mid)
+        return self.model.get_output_embeddings()(self.final_norm(x))                      # [a, V]
 
 
 def decoder(model) -> Step | None:
@@ -183,6 +187,28 @@ def _stacked(*linears):
 
 def _linear(x, packed, bias):
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def _linear_added(x, packed, bias, residual):
+    """residual + (x W^T + b), the sum in the matmul's epilogue (oneDNN's binary post-op): the same
+    fp32 addition as after it, one operation fewer."""
+    return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual, packed, bias, "add")
+
+
+def _norm(module):
+    """The norm `module` as the step calls it: F.rms_norm on its weight and epsilon where that gives
+    the module's own output bit for bit on a probe (Llama's and Qwen's RMSNorm: one operation
+    instead of seven and a module call), else the module itself (another form of norm, a hook)."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if (module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module)
+            or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float)):
+        return module
+    probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight) * 4   # [3, H]
+
+    def fused(x):
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return fused if torch.equal(fused(probe), module(probe)) else module
 
 
 def _rotated(x, cos, sin):
