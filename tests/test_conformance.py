@@ -250,6 +250,26 @@ def test_lean_decoding_probe_refuses_a_model_of_the_llama_form_with_other_math(s
         assert lean_decoding.unfit(llama).startswith("the lean step's logits differ from its own forward's")
 
 
+def test_lean_decoding_fuses_a_norm_only_where_it_gives_the_modules_own_output(saved):
+    """The step's norms: F.rms_norm where it gives the module's output bit for bit (Llama's RMSNorm),
+    the module itself where the math differs (Gemma's scales by 1 + weight) or a hook is on it."""
+    from rollout import lean_decoding
+    _, llama, _, _, _ = load_models(Config(model_path=str(saved("llama")), remove_padding=True))
+    _, gemma, _, _, _ = load_models(Config(model_path=str(saved("gemma")), remove_padding=True))
+    hooked = llama.model.layers[0].post_attention_layernorm
+    hooked.register_forward_hook(lambda module, args, out: None)
+    with torch.inference_mode():
+        for model in (llama, gemma):
+            step = lean_decoding._packed_step(model)
+            modules = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+            chosen = [n for pair in step.norms for n in pair]
+            x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+            for module, norm in zip(modules + [model.model.norm], chosen + [step.final_norm]):
+                fused = model is llama and module is not hooked
+                assert (norm is not module) == fused, (model.config.model_type, module)
+                assert torch.equal(norm(x), module(x))
+
+
 def test_lean_decoding_ends_a_call_when_every_row_has_drawn_a_stop_token(saved, monkeypatch):
     """Every token a stop token: each response is one token, drawn in one lean step per call."""
     from rollout import lean_decoding
