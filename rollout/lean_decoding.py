@@ -136,9 +136,14 @@ def _placed(model) -> bool:
     base = _base(model)
     projections = [getattr(parent, name) for layer in base.layers
                    for parent, names in ((layer.self_attn, ATTENTION), (layer.mlp, MLP)) for name in names]
-    return not (any(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in projections) or any(
+    return not (any(_hooked(m) for m in projections) or any(
         hasattr(m, "_hf_hook") or any(hasattr(p, "ds_id") for p in m.parameters(recurse=False))
         for m in model.modules()))
+
+
+def _hooked(module) -> bool:
+    """Whether a forward hook is on `module` or its forward is patched on the instance."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
 
 
 def _packed_step(model) -> Step:
@@ -201,8 +206,7 @@ def _norm(module):
     instead of seven and a module call), else the module itself (another form of norm, a hook)."""
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if (module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module)
-            or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float)):
+    if (_hooked(module) or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float)):
         return module
     probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight) * 4   # [3, H]
 
