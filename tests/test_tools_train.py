@@ -380,11 +380,10 @@ RUNAWAY = [("Hang.", [call_text("python", {"code": "import time\ntime.sleep(3600
 @pytest.fixture(scope="module")
 def runaway_dir(tmp_path_factory):
     """A tiny Qwen2 that holds one python call per prompt: code that sleeps forever, prints without
-    end, or allocates without bound (what comes after the tool's answer it never learnt). Constructed,
-    not trained (train_steps=0): the same model on every CPU in a second, where Adam's 600 steps took
-    minutes and did not get there on some CPUs; the runs below keep its weights still."""
+    end, or allocates without bound (what comes after the tool's answer it never learnt); the runs
+    below keep its weights still."""
     tokenizer = qwen_style_tokenizer()
-    _, model, _ = memorise(tokenizer, ToolSet.from_specs([PYTHON]), RUNAWAY, train_steps=0)
+    _, model, _ = memorise(tokenizer, ToolSet.from_specs([PYTHON]), RUNAWAY)
     path = tmp_path_factory.mktemp("runaway_model")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
