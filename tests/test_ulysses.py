@@ -298,7 +298,7 @@ MUST_SPLIT = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text", "cohere", "c
 @pytest.mark.slow
 def test_registry_walk_split_over_two_ranks_equals_each_models_own_forward(tmp_path):
     """Every decoder family of tests/model_registry.py, loaded with sp=2 as a run loads it: the split
-    pass's log-probs and entropies (two temperatures) and their gradients equal the model's own
+    pass's log-probs and entropies (at temperature 0.7) and their gradients equal the model's own
     forward on each sequence alone (tests/ulysses_registry_worker.py); every family that cannot split
     is refused at load with its reason in one line (ulysses.unsupported, UNSPLITTABLE), none fails."""
     out = tmp_path / "families.json"
