@@ -13,7 +13,7 @@ schedule in rank 0, one batch after the other: the reference the overlapped runs
 Channels. Per rollout process a control queue carries, in order, weight announcements and
 requests (step, prompt ids, seeds, sampling); one results queue brings back (step, part, responses,
 sampler log-probs, policy version, times). The weights travel over a gloo process group of rank 0
-and the rollout processes (vLLM's stateless group, outside the launch's world), in buckets of about
+and the rollout processes (torch's own, on a store of its own: outside the launch's world), in buckets of about
 rollout_sync_bucket_mb, as the colocated sync gathers them (every training rank runs the ZeRO-3
 gathers; rank 0 sends). Rank 0 hands each training rank its share of a batch over the launch's own
 process group (scatter_object_list): every rank takes every step's batch at the same point.
@@ -129,6 +129,18 @@ def _receive_weights(ctrl, group):
         yield from _unpack(msg[1], buffer)
 
 
+def weights_group(port: int, rank: int, size: int, listener: socket.socket | None = None):
+    """The gloo group of rank 0 (serving the store on `listener`, bound beforehand so no other process
+    can take its port) and the rollout processes, outside the launch's default group. torch's own
+    TCPStore and ProcessGroupGloo: an hf-engine run imports no vLLM for it."""
+    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+    if listener is None:
+        store = TCPStore("127.0.0.1", port, size, False, START_TIMEOUT)
+    else:
+        store = TCPStore("127.0.0.1", port, size, True, START_TIMEOUT, master_listen_fd=listener.fileno())
+    return ProcessGroupGloo(PrefixStore("rollout_weights", store), rank, size, START_TIMEOUT)
+
+
 def serve(rank: int, count: int, port: int, spec: dict, ctrl, results, parent: int) -> None:
     """A rollout process: weights and requests from ctrl, in order; each batch's share to results."""
     if sys.platform.startswith("linux"):   # ends with the trainer, however the trainer ends
@@ -136,9 +148,7 @@ def serve(rank: int, count: int, port: int, spec: dict, ctrl, results, parent: i
     if os.getppid() != parent:
         return
     torch.set_num_threads(spec["threads"])
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-    group = stateless_init_torch_distributed_process_group("127.0.0.1", port, rank, count + 1, backend="gloo",
-                                                           timeout=START_TIMEOUT)
+    group = weights_group(port, rank, count + 1)
     sampler = Sampler(spec)
     pending, waited = deque(), 0.0   # requests not yet generated; seconds idle since the last batch
     while True:
@@ -238,8 +248,8 @@ class RolloutSide:
             return
         ctx = multiprocessing.get_context("spawn")
         # the group's store is served from a socket bound here: under torchelastic the usual rendezvous
-        # would make rank 0 a client of the launcher's own store
-        listener = socket.create_server(("127.0.0.1", 0))
+        # would make rank 0 a client of the launcher's own store (kept open as long as the store serves on it)
+        self.listener = listener = socket.create_server(("127.0.0.1", 0))
         port = listener.getsockname()[1]
         self.ctrl, self.results = [ctx.Queue() for _ in range(self.count)], ctx.Queue()
         self.procs = [ctx.Process(target=serve, args=(rank + 1, self.count, port, spec, self.ctrl[rank], self.results,
@@ -257,11 +267,9 @@ class RolloutSide:
     def _start_group(self, port: int, listener: socket.socket):
         """The gloo group of this process (rank 0) and the rollout processes, started in a thread so that
         a rollout process that dies before it joins ends the run instead of the group's long timeout."""
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
         made: dict = {}
-        thread = threading.Thread(target=lambda: made.update(group=stateless_init_torch_distributed_process_group(
-            "127.0.0.1", port, 0, self.count + 1, backend="gloo", timeout=START_TIMEOUT, listen_socket=listener)),
-            daemon=True)
+        thread = threading.Thread(target=lambda: made.update(group=weights_group(port, 0, self.count + 1, listener)),
+                                  daemon=True)
         thread.start()
         while thread.is_alive():
             thread.join(POLL_S)

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -206,6 +207,28 @@ def test_a_run_killed_and_resumed_logs_the_uninterrupted_runs_numbers(tmp_path, 
     resumed = train(tmp_path, "killed", *extra, steps=4, said=f"resuming from {saved[-1]}")
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(CLOCK)} for r in rs]   # noqa: E731
     assert strip(resumed) == strip(reference)
+
+
+def test_the_weight_sync_group_is_torchs_own_and_imports_no_vllm():
+    """Rank 0 serving the store on its pre-bound socket and a rollout side joining (threads here, processes
+    in a run): a bucket broadcast from rank 0 arrives whole, and an hf-engine run imports no vLLM for it."""
+    code = textwrap.dedent("""
+        import socket, sys, threading, torch
+        from rollout.asynchronous import weights_group
+        listener = socket.create_server(("127.0.0.1", 0))
+        port, got = listener.getsockname()[1], torch.zeros(6)
+        def rollout_side():
+            weights_group(port, 1, 2).broadcast(got, 0).wait()
+        side = threading.Thread(target=rollout_side)
+        side.start()
+        weights_group(port, 0, 2, listener).broadcast(torch.arange(6.0), 0).wait()
+        side.join(60)
+        assert got.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], got
+        assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")], "vllm imported"
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_the_phase_model_reads_colocated_and_overlapped_runs():
