@@ -608,9 +608,8 @@ def memorise(tokenizer, calc_tools, conversations=MEMORISED, kv_heads=1):
     conversation's token ids as the template renders them. kv_heads 2: a model sequence
     parallelism of 2 can split (heads and key-value heads divisible by 2).
 
-    Constructed, not trained (`constructed`): the same model on every CPU in a second or two. Adam
-    took 600 steps, 34 s on a 2-core Zen 3 for test_templates_per_turn's conversations, and its path
-    differs from one CPU to another."""
+    Constructed, not trained (`constructed`): the same model on every CPU in a second or two, where
+    training by Adam took tens of seconds and its path differs from one CPU to another."""
     chat = ChatFormat(tokenizer, calc_tools.schemas)
     rows = []
     for question, turns in conversations:
