@@ -12,9 +12,13 @@ every kind of layer of an alternating family (local/global, attention/recurrent)
 Building all of them takes seconds, so tests may walk the whole registry in the default run.
 """
 from collections.abc import Mapping
+import fcntl
 import functools
+import hashlib
 import json
+import os
 from pathlib import Path
+import tempfile
 
 import torch
 
@@ -68,7 +72,27 @@ def _causal_lm_names() -> dict:
 
 @functools.lru_cache(None)
 def _walk() -> tuple[tuple[str, ...], dict]:
-    """(buildable model types, {type: why not}) from transformers' auto mappings."""
+    """(buildable model types, {type: why not}) from transformers' auto mappings, walked once per
+    machine for this file, this transformers and this torch: the walk builds and runs every type
+    (about 6 s beyond importing their modules), and each pytest worker collecting the tests and
+    each rank of a registry-walking launch asks for it. The first process to ask walks and writes
+    the result to the temporary folder; the others wait for it (a file lock) and read it."""
+    import transformers
+    key = hashlib.sha256(Path(__file__).read_bytes() + f" {transformers.__version__} {torch.__version__}".encode())
+    path = Path(tempfile.gettempdir()) / f"flat_ppo_registry_{key.hexdigest()[:16]}.json"
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            ok, skipped = json.loads(path.read_text())
+            return tuple(ok), skipped
+        ok, skipped = _walk_here()
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps([ok, skipped]))
+        partial.rename(path)
+    return ok, skipped
+
+
+def _walk_here() -> tuple[tuple[str, ...], dict]:
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
     names = _causal_lm_names()
