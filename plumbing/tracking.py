@@ -63,7 +63,10 @@ class Tracker:
             else:
                 self.run = mlflow.start_run(run_name=run_name or out_dir.name, tags=tags,
                                             log_system_metrics=system_metrics)
-            mlflow.log_params({k: str(v) for k, v in params.items()}, synchronous=False)
+            # one synchronous call: MLflow's asynchronous queue, once used, makes end_run wait up to
+            # a second for its thread's next poll (a resumed run whose values changed keeps the first ones)
+            self._try("the run's parameters", lambda: mlflow.log_params({k: str(v) for k, v in params.items()},
+                                                                       synchronous=True))
             for context, files in datasets.items():
                 for path in files:
                     self._try(f"dataset {path}", lambda: _log_dataset(mlflow, path, context))
@@ -368,7 +371,7 @@ def plot_curves(history: list[dict], path: Path) -> Path:
         points = [(r["step"], r[key]) for r in history if key in r]
         if points:
             ax.plot(*zip(*points), marker="." if len(points) < 30 else None)
-        ax.set_title(key)
+        ax.set_title(key, y=1.0)   # placed, not fitted above the tick labels: the same picture, sooner
         ax.set_xlabel("step")
     # fixed margins: tight_layout measures every label first, most of a drawing's time
     fig.subplots_adjust(left=0.06, right=0.98, bottom=0.08, top=0.94, wspace=0.28, hspace=0.42)

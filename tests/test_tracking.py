@@ -39,6 +39,36 @@ def test_curves_are_redrawn_only_after_the_history_changed(tmp_path):
     assert run.info.status == "FINISHED"
 
 
+def test_parameters_are_stored_at_the_start_and_a_resumed_run_with_other_values_is_said_once(tmp_path, capsys):
+    """The config goes to MLflow in one synchronous call as the tracker starts, never through MLflow's
+    asynchronous queue (whose thread, once started, makes every end_run wait up to a second for its
+    next poll). A resumed run whose values changed keeps the first ones, says so once and goes on."""
+    import threading
+
+    import mlflow
+    client = mlflow.MlflowClient(sqlite_uri(tmp_path))
+
+    def tracker(out: Path, params: dict, resumed=None) -> Tracker:
+        out.mkdir(exist_ok=True)
+        (out / "config.yaml").write_text("".join(f"{k}: {v}\n" for k, v in params.items()))
+        return Tracker(out, True, uri=sqlite_uri(tmp_path), experiment="e", run_name="r", params=params, tags={},
+                       datasets={}, log_model=False, resumed=resumed)
+    first = tracker(tmp_path / "out", {"a": 1, "b": "x"})
+    assert client.get_run(first.run_id).data.params == {"a": "1", "b": "x"}   # already, before any step
+    first.log(1, {"reward/score_mean": 0.5})
+    assert "MLflowAsyncLoggingLoop" not in [t.name for t in threading.enumerate()]
+    first.finish("FINISHED", None)
+    capsys.readouterr()
+    again = tracker(tmp_path / "out", {"a": 1, "b": "y"}, resumed={"mlflow_run_id": first.run_id, "step": 1})
+    assert again.run_id == first.run_id
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(said) == 1 and "the run's parameters" in said[0], said
+    again.log(2, {"reward/score_mean": 0.7})
+    again.finish("FINISHED", None)
+    run = client.get_run(first.run_id)
+    assert run.data.params == {"a": "1", "b": "x"} and run.info.status == "FINISHED"
+
+
 def test_a_wandb_that_cannot_start_is_said_and_the_run_goes_on(tmp_path):
     """wandb=true with W&B online and no API key anywhere (W&B refuses at once): one warning line,
     every step still in metrics.jsonl and MLflow, and the run ends FINISHED. In a fresh process, so
