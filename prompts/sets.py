@@ -77,9 +77,11 @@ def load_prompts(files: str, key: str, tokenizer, max_len: int, truncation: str,
                 raise UserError(f"{path}: no column {column!r}, which {reward_fn} takes; its columns are "
                                 f"{list(frame.columns)}")
         kept = []
-        for row, prompt in enumerate(frame[key]):
-            text = _render_prompt(prompt, tokenizer, path, row, f"{key!r} (prompt_key)", template_kwargs)
-            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        texts = [_render_prompt(prompt, tokenizer, path, row, f"{key!r} (prompt_key)", template_kwargs)
+                 for row, prompt in enumerate(frame[key])]
+        # one call for the file: a fast tokenizer encodes the batch at once (a call per prompt was 4x its time)
+        encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        for row, (text, tokens) in enumerate(zip(texts, encoded)):
             if not tokens and text.strip():
                 raise UserError(f"{path}: row {row}: the tokenizer of model_path turns the prompt {text[:60]!r} into no "
                                 "tokens (its vocabulary does not cover this text): check model_path's tokenizer files")

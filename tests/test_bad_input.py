@@ -206,6 +206,8 @@ def test_prompt_truncation_drop_leaves_long_rows_out_with_their_columns(tmp_path
     pd.DataFrame({"prompt": ["1+1=", "123456789+987654321=", "2+2="], "ground_truth": ["2", "x", "4"]}).to_parquet(data)
     prompts = load_prompts(str(data), "prompt", tokenizer(), 8, "drop", columns=("ground_truth",))
     assert prompts.texts == ["1+1=", "2+2="] and prompts.columns["ground_truth"] == ["2", "4"]
+    # the file is tokenized in one call: each kept row's ids are still its own prompt's, unpadded
+    assert prompts.ids == [tokenizer()(text, add_special_tokens=False)["input_ids"] for text in prompts.texts]
     assert "1 of 3 prompts are longer than max_prompt_length=8" in capsys.readouterr().err
     only_long = tmp_path / "long.parquet"
     pd.DataFrame({"prompt": ["123456789+987654321="]}).to_parquet(only_long)
