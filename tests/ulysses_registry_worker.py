@@ -49,8 +49,9 @@ def main(out_path: Path, work: Path) -> None:
             model_registry.save_tiny(model_type, path)
         torch.distributed.barrier()
         try:
+            # the actor alone (no KL, so no reference: a second ZeRO-3 load of the same weights)
             _, actor, _, _, _ = load_models(Config(model_path=str(path), adv_estimator="grpo", remove_padding=True,
-                                                   ulysses_sequence_parallel_size=SP))
+                                                   use_kl_in_reward=False, ulysses_sequence_parallel_size=SP))
         except UserError as e:
             results[model_type] = f"refused: {e}"
             continue
