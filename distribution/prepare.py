@@ -56,23 +56,25 @@ def check_world_size(cfg: Config, world: int) -> None:
 def prepare_models(accelerator, ds: bool, cfg: Config, actor, critic, ref, reward_model, total_steps=None):
     """Trained models with their optimizers (and DeepSpeed engines under DeepSpeed); frozen ones as
     inference-only engines, or simply moved to the device."""
-    def select(name):
+    def select(name, model=None):
         if ds:
             accelerator.state.select_deepspeed_plugin(name)
+            if model is not None:
+                distributed.size_buckets(accelerator.state.deepspeed_plugin, model)
 
     actor_optim, actor_sched = make_optimizer(actor, cfg.actor_lr, cfg, total_steps)
-    select("actor")
+    select("actor", actor)
     actor, actor_optim = accelerator.prepare(actor, actor_optim)
     critic_optim = critic_sched = None
     if critic is not None:
         critic_optim, critic_sched = make_optimizer(critic, cfg.critic_lr, cfg, total_steps,
                                                     cfg.critic_lr_warmup_steps_ratio)
-        select("critic")
+        select("critic", critic)
         critic, critic_optim = accelerator.prepare(critic, critic_optim)
     frozen = []
     for name, model in (("ref", ref), ("reward", reward_model)):
         if model is not None and ds:
-            select(name)
+            select(name, model)
             model = accelerator.prepare(model)
             model.eval()
         elif model is not None:

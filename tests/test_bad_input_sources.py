@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 import forkserver
 from distribution import plugins as distributed
@@ -230,6 +231,30 @@ def test_repository_deepspeed_configs_still_read(monkeypatch):
     for name in ("zero2.json", "zero3.json", "zero3_offload.json"):
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs" / name))
         assert distributed.launched_deepspeed_config()["zero_optimization"]["stage"] in (2, 3)
+
+
+def test_auto_buckets_are_at_least_min_bucket_and_large_models_keep_accelerates_size(tmp_path, monkeypatch):
+    """ZeRO's "auto" reduce and prefetch buckets: the demo model's hidden_size^2 (16k elements) is
+    raised to MIN_BUCKET, a 2,048-wide model keeps Accelerate's hidden_size^2 and 0.9 of it, a number
+    in the file stays, and the persistence threshold (which weights are split) stays Accelerate's."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs" / "zero3.json"))
+    base = distributed.launched_deepspeed_config()
+
+    def zero_after(model, conf=base) -> dict:
+        plugin = distributed.deepspeed_plugins(conf, {"actor": distributed.Role(True, 4, 1.0)}, 2, False)["actor"]
+        distributed.size_buckets(plugin, model)
+        return plugin.deepspeed_config["zero_optimization"]
+    small = zero_after(AutoModelForCausalLM.from_pretrained(DEMO_MODEL))
+    assert small["reduce_bucket_size"] == small["stage3_prefetch_bucket_size"] == distributed.MIN_BUCKET
+    assert small["stage3_param_persistence_threshold"] == "auto"
+    wide = torch.nn.Module()
+    wide.config = Qwen2Config(hidden_size=2048)
+    large = zero_after(wide)
+    assert (large["reduce_bucket_size"], large["stage3_prefetch_bucket_size"]) == (2048 * 2048, int(0.9 * 2048 * 2048))
+    fixed = zero_after(wide, {**base, "zero_optimization": {**base["zero_optimization"], "reduce_bucket_size": 5000}})
+    assert fixed["reduce_bucket_size"] == 5000 and fixed["stage3_prefetch_bucket_size"] == int(0.9 * 2048 * 2048)
 
 
 # ---- end to end: the script prints the one line --------------------------------------------------
