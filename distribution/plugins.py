@@ -123,15 +123,16 @@ def deepspeed_plugins(base: dict, roles: dict[str, Role], world: int, bf16: bool
 # the fewest elements an "auto" reduce or prefetch bucket holds (4 MiB in fp32). Accelerate fills
 # "auto" with hidden_size^2, sized for large models: a model of hidden size 128 then reduces its
 # gradients in 16k-element collectives, about one per weight (152 a step for the demo model), and
-# collectives of small tensors cost their latency. Each element's sum is the same whatever the bucket.
+# collectives of small tensors cost their latency. Each element is reduced over the same ranks whatever
+# the bucket (on 2 ranks bit for bit; on more, the order of the summands may follow the layout).
 MIN_BUCKET = 1 << 20
 
 
 def size_buckets(plugin, model) -> None:
     """The plugin's "auto" reduce and prefetch bucket sizes filled before Accelerate fills them from
-    `model`: its formula (hidden_size^2, 0.9 of that), raised to MIN_BUCKET. The 2-process ZeRO-3 step
-    of the demo model went 1.7 -> 1.2 s on 2 CPU cores, with the same numbers bit for bit. The
-    persistence threshold stays Accelerate's (10 * hidden_size): it decides which weights are split."""
+    `model`: its formula (hidden_size^2, 0.9 of that), raised to MIN_BUCKET; a number in the config
+    stays. The persistence threshold stays Accelerate's (10 * hidden_size): it decides which weights
+    are split."""
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None) or max(getattr(config, "hidden_sizes", None) or [0])
     zero = plugin.deepspeed_config.get("zero_optimization", {})
