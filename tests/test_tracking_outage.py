@@ -31,10 +31,13 @@ def free_port():
 
 
 def start_server(tmp, port):
+    # without MLflow's job execution (evaluation jobs, which no test runs): it starts a job runner and
+    # eight huey consumer processes beside the server, each importing MLflow, seconds of CPU each
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                              "--workers", "1", "--backend-store-uri", sqlite_uri(tmp, "server.db"),
                              "--artifacts-destination", str(tmp / "artifacts")],
-                            cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            cwd=tmp, env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline:
         try:
