@@ -222,9 +222,10 @@ def head_transform(model):
 
 def _packed(model, batch: dict):
     """The micro-batch packed into one row (packing.Packed), or None to run it padded: packed when
-    `model`'s attention keeps the sequences of a row apart and packing drops enough padding to pay
-    (every rank runs one pass either way)."""
-    if _unwrap(model).config._attn_implementation in packing.PACKED_ATTENTION and packing.worth_it(batch):
+    `model`'s attention keeps the sequences of a row apart and packing saves enough of the pass's work
+    to pay (packing.worth_it; every rank runs one pass either way)."""
+    inner = _unwrap(model)
+    if inner.config._attn_implementation in packing.PACKED_ATTENTION and packing.worth_it(batch, packing.costs(inner)):
         return packing.pack(batch)
     return None
 

@@ -128,7 +128,7 @@ def test_actor_and_ref_log_probs_match_the_models_own_forward(model_type, saved,
     _, actor, _, ref, _ = load_models(cfg)
     twin, ref_twin = eager_twin(actor), eager_twin(ref).requires_grad_(False)
     for layout in ("packed", "padded"):   # packing.worth_it decides between them at run time: force each
-        monkeypatch.setattr(packing, "worth_it", lambda batch, min_saving=0.1: layout == "packed")
+        monkeypatch.setattr(packing, "worth_it", lambda batch, *_: layout == "packed")
         for temperature in TEMPERATURES:
             check(actor, twin, temperature)
         check(ref, ref_twin, 1.0)
@@ -152,7 +152,7 @@ def test_checkpointed_update_gives_the_models_own_log_probs_and_gradients(model_
             load_models(cfg)
         return
     _, actor, _, _, _ = load_models(cfg)
-    monkeypatch.setattr(packing, "worth_it", lambda batch, min_saving=0.1: True)
+    monkeypatch.setattr(packing, "worth_it", lambda batch, *_: True)
     made_again = counting_recomputes(monkeypatch)   # per row block of the chunked head
     with recompute_activations(actor, True):   # the loss handed to the head, as the update does: its gradients
         check(actor, eager_twin(actor), 1.0, loss_of=lambda logprob, entropy: logprob.sum())   # made in its forward
@@ -311,7 +311,7 @@ def test_positions_after_a_shorter_response_read_zero_and_the_rest_stays_exact(s
     _, actor, _, _, _ = load_models(Config(model_path=str(saved("qwen2")), remove_padding=True))
     if head != "chunked":
         actor.head_transform = None                 # what a head the chunked path cannot take gets
-    monkeypatch.setattr(packing, "worth_it", lambda batch, min_saving=0.1: layout == "packed")
+    monkeypatch.setattr(packing, "worth_it", lambda batch, *_: layout == "packed")
     batch = pack_batch(PROMPTS, RESPONSES, pad_id=0)
     logprob, entropy, truncated = response_logprobs(actor, batch, 0.7, with_entropy=True, truncation=(5, 0.9))
     beyond = batch["attention_mask"][:, -batch["responses"].shape[1]:] == 0      # [B, R]

@@ -71,6 +71,29 @@ def test_packed_values_and_reward_scores_equal_the_padded_ones():
     torch.testing.assert_close(reward_model_scores(packed, b), reward_model_scores(padded, b), rtol=1e-4, atol=1e-5)
 
 
+def test_long_sequences_of_alike_lengths_pack_on_a_small_model_and_stay_padded_on_a_large_one():
+    """worth_it weighs the attention too: padded with a mask, SDPA computes the whole W^2 square of a
+    row; packed, each sequence's causal half. 768-token responses after prompts of 200-241 tokens
+    (2% padding): on W3's model (hidden 256, 4 layers) the attention is 40% of the work and packing
+    pays; on a 7B-like one (hidden 4,096) it is a few percent and the batch stays padded."""
+    def model(**shape):
+        with torch.device("meta"):   # costs reads the layers' shapes alone
+            return Qwen2ForCausalLM(Qwen2Config(vocab_size=32768, **shape))
+    small = packing.costs(model(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                                num_key_value_heads=2))
+    large = packing.costs(model(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32))
+    prompts = [[5] * n for n in (200, 213, 227, 241, 206, 219, 233, 240)]
+    long = pack_batch(prompts, [[7] * 768] * 8, pad_id=0)
+    assert 1 - long["attention_mask"].float().mean() < 0.1            # under the positions' 10%
+    assert packing.worth_it(long, small) and not packing.worth_it(long, large)
+    assert not packing.worth_it(long)                                 # positions alone: padded
+    short = pack_batch([[5] * n for n in (20, 22, 25, 27, 21, 24, 26, 23)], [[7] * 16] * 8, pad_id=0)
+    assert not packing.worth_it(short, small)                         # 8% padding, short: the attention is small
+    alike = pack_batch([[5] * 240] * 8, [[7] * 768] * 8, pad_id=0)
+    assert not packing.worth_it(alike, small)                         # no padding: SDPA's causal kernel either way
+
+
 def test_pack_lays_sequences_end_to_end_and_points_at_the_response_predictors():
     b = batch()
     assert packing.worth_it(b)                                            # 131 of 212 positions are padding
