@@ -23,6 +23,7 @@ LAYERS = {
     "core_algos": 2, "kl": 2,                                 # the math: tensors in, tensors out
     "errors": 1,                                              # UserError, raised at every layer
     "plumbing.console": 1, "plumbing.lean_imports": 1,        # leaves any layer may call: they import nothing of ours
+    "plumbing.flops": 1,                                      # (forward.packing weighs its FLOPs)
 }
 TOOLS = ("scripts", "examples", "tests")   # outside the layers: may import any layer, but never the script's module
 OURS = {key.split(".")[0] for key in LAYERS} | set(TOOLS)
