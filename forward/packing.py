@@ -244,7 +244,8 @@ class Packed:
 
 def worth_it(batch: dict, costs: tuple[float, float] = (1.0, 0.0), min_saving: float = 0.1) -> bool:
     """Whether packing saves at least min_saving of the micro-batch's work. Below that the padded
-    layout is faster: one batched SDPA call per layer instead of one per sequence.
+    layout is kept: one batched SDPA call per layer instead of one per sequence (on short sequences
+    with little padding the two measure alike).
 
     costs (`costs(model)`): the model's work per position and per (query, key) pair. Packed, a
     sequence of L tokens costs L positions and the L^2 / 2 pairs of its causal kernel. Padded, every
