@@ -43,7 +43,7 @@ from distribution.reductions import (any_over_ranks, gather_rows, max_over_ranks
 from errors import UserError
 from forward.batch import (forward_in_micro_batches, is_truncated, micro_batches, mini_batches, pack_batch,
                            sampler_logprobs, select, to_device)
-from forward import ulysses
+from forward import grad_blocks, ulysses
 from forward.readouts import _unwrap, critic_values, response_logprobs
 from modeling.loading import load_models, recompute_activations
 from plumbing import config_docs, console, flops, host_memory, lean_imports, model_card
@@ -98,12 +98,12 @@ def optimizer_step(model, optim, max_norm: float, ds: bool) -> tuple[float, bool
     total = torch.nn.utils.get_total_norm([p.grad for p in params])
     norm = float(total)
     if not math.isfinite(norm):
-        optim.zero_grad(set_to_none=True)
+        grad_blocks.zero_grad(optim)
         return norm, True
     if float(max_norm / (total + 1e-6)) < 1.0:   # clip_grad_norm_'s scaling, but for a factor of 1 (no bit changes)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     optim.step()
-    optim.zero_grad(set_to_none=True)
+    grad_blocks.zero_grad(optim)   # set to None; a [V, H] block is kept for the next step's backward (grad_blocks)
     return norm, False
 
 
@@ -180,6 +180,7 @@ def update_actor(accelerator, actor, optim, batch: dict, cfg: Config, autocast, 
             sft_rows = sft.next() if sft is not None else None   # drawn once: a redo trains on the same rows
             stats.merge(oom.retry("actor", lambda: mini_batch(mb, epoch, epoch == 0 and i == 0, sft_rows),
                                   lambda: drop_gradients(actor, optim, ds)))
+    grad_blocks.release()
     return bypass.finish(accelerator, stats, stats.means())
 
 
@@ -294,6 +295,7 @@ def update_critic(accelerator, critic, optim, batch: dict, cfg: Config, autocast
     for _ in range(sched.epochs):
         for mb in mini_batches(batch, mini):
             stats.merge(oom.retry("critic", lambda: mini_batch(mb), lambda: drop_gradients(critic, optim, ds)))
+    grad_blocks.release()   # not held through the actor's update
     return stats.means()
 
 

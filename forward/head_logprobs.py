@@ -52,6 +52,8 @@ from contextlib import contextmanager
 
 import torch
 
+from forward import grad_blocks
+
 CHUNK_ELEMENTS = 1 << 22    # truncated_logprobs' whole rows on CPUs: 4M floats (16 MB), e.g. 128 rows of a 32k vocabulary
 # head_logprobs on CPUs: tiles of TILE_ROWS rows x TILE_COLS vocabulary entries (2 MB of logits), the
 # log-sum-exp carried online across a row block's tiles. A tile's element-wise passes run in cache,
@@ -263,9 +265,10 @@ class _HeadLogprobs(torch.autograd.Function):
 
 def _zero_grads(hidden, weight, need_h: bool, need_w: bool):
     """(grad_hidden, grad_weight), fp32 zeros (None where not wanted): the blocks' matmuls accumulate
-    into them over the vocabulary's blocks (hidden) and the row blocks (weight)."""
+    into them over the vocabulary's blocks (hidden) and the row blocks (weight); the weight's block
+    the last optimizer step's where one was kept (grad_blocks)."""
     return (torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None,
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None)
+            grad_blocks.zeros(weight) if need_w else None)
 
 
 def _column(g):
@@ -474,14 +477,38 @@ def tied_lookup(embedding, weight):
     mmap threshold). Here the head hands its weight gradient to the slot instead of to autograd, and
     the lookup adds its rows into it and hands it on: one block, no zeroing, no [V, H] addition. The
     head's backward always runs before the lookup's (the lookup's gradient comes through the head's
-    input); a head whose backward does not come leaves the lookup its own dense gradient. Only a
-    plain nn.Embedding (no max_norm, scale_grad_by_freq or sparse) on a weight that takes gradients."""
-    if (type(embedding) is not torch.nn.Embedding or embedding.weight is not weight or not weight.requires_grad
-            or not torch.is_grad_enabled() or embedding.max_norm is not None or embedding.scale_grad_by_freq
-            or embedding.sparse):
-        yield None
+    input); a head whose backward does not come leaves the lookup its own gradient (own_lookup's).
+    Only a plain nn.Embedding (no max_norm, scale_grad_by_freq or sparse) on a weight that takes
+    gradients; an untied one (weight another tensor) gets own_lookup's."""
+    if not _plain_lookup(embedding) or embedding.weight is not weight:
+        with own_lookup(embedding):
+            yield None
         return
-    slot = {}
+    with _lookup(embedding, {}) as slot:
+        yield slot
+
+
+@contextmanager
+def own_lookup(embedding):
+    """Over one forward pass with gradients on a CPU: the plain `embedding`'s gradient rows added into
+    grad_blocks' block for its weight (the last optimizer step's, zeroed, where one was kept), the
+    same numbers as torch's own dense backward, which maps and zeroes a new [V, H] block each time.
+    Elsewhere (another device, another kind of lookup, a partitioned weight) the lookup is as it is."""
+    if not _plain_lookup(embedding) or embedding.weight.device.type != "cpu" or hasattr(embedding.weight, "ds_id"):
+        yield
+        return
+    with _lookup(embedding, {}):
+        yield
+
+
+def _plain_lookup(embedding) -> bool:
+    return (type(embedding) is torch.nn.Embedding and embedding.weight.requires_grad and torch.is_grad_enabled()
+            and embedding.max_norm is None and not embedding.scale_grad_by_freq and not embedding.sparse
+            and "forward" not in vars(embedding))
+
+
+@contextmanager
+def _lookup(embedding, slot: dict):
     embedding.forward = lambda ids: _TiedLookup.apply(ids, embedding.weight, embedding.padding_idx, slot)
     try:
         yield slot
@@ -490,25 +517,29 @@ def tied_lookup(embedding, weight):
 
 
 class _TiedLookup(torch.autograd.Function):
-    """F.embedding(ids, weight) whose weight gradient goes into the slot's (the tied head's), or is
-    the lookup's own dense one (torch's embedding_dense_backward) where the slot has none."""
+    """F.embedding(ids, weight) whose weight gradient goes into the slot's (the tied head's), or, where
+    the slot has none, into a block of its own: grad_blocks' for an fp32 weight on a CPU, torch's
+    embedding_dense_backward's elsewhere."""
 
     @staticmethod
     def forward(ctx, ids, weight, padding_idx, slot):
         ctx.save_for_backward(ids)
-        ctx.padding_idx, ctx.slot, ctx.vocab = padding_idx, slot, weight.shape[0]
+        ctx.padding_idx, ctx.slot, ctx.weight = padding_idx, slot, weight
         slot["looked up"] = True
         return torch.nn.functional.embedding(ids, weight, padding_idx)
 
     @staticmethod
     def backward(ctx, grad):
+        weight, ctx.weight = ctx.weight, None
         if not ctx.needs_input_grad[1]:
             return None, None, None, None
         (ids,) = ctx.saved_tensors
         into = ctx.slot.pop("grad", None)
-        if into is None:
+        if into is None and (grad.device.type != "cpu" or weight.dtype != torch.float32):
             padding = -1 if ctx.padding_idx is None else ctx.padding_idx
-            return None, torch.ops.aten.embedding_dense_backward(grad, ids, ctx.vocab, padding, False), None, None
+            return None, torch.ops.aten.embedding_dense_backward(grad, ids, weight.shape[0], padding, False), None, None
+        if into is None:   # torch's CPU backward adds the rows into zeros the same way (the same bits)
+            into = grad_blocks.zeros(weight)
         rows, values = ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(into.dtype)
         if ctx.padding_idx is not None:                                                # its row takes no gradient
             keep = rows != ctx.padding_idx

@@ -11,7 +11,7 @@ import torch
 from core_algos import entropy_from_logits
 from forward import last_layer, packing, ulysses
 from forward.batch import spread
-from forward.head_logprobs import head_logprobs, support_logprobs, tied_lookup, truncated_logprobs
+from forward.head_logprobs import head_logprobs, own_lookup, support_logprobs, tied_lookup, truncated_logprobs
 
 
 def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool = False,
@@ -38,7 +38,8 @@ def response_logprobs(model, batch: dict, temperature: float, with_entropy: bool
     real = batch["attention_mask"][:, -R:].reshape(-1).bool()                    # [B * R]
     head, transform, fused, captured, hook = _head_input(model)
     try:   # a tied input embedding adds its gradient rows into the head's (one [V, H] block, not two)
-        with tied_lookup(_unwrap(model).get_input_embeddings(), head.weight) if fused else nullcontext() as tied:
+        embedding = _input_embedding(model)
+        with tied_lookup(embedding, head.weight) if fused else own_lookup(embedding) as tied:
             packed = _packed(model, batch)
             W = batch["input_ids"].shape[1]
             keep = (packed.response_index.reshape(-1)[real] if packed is not None    # [n] or, every row's, [R]
@@ -272,6 +273,14 @@ def _scaled(logits, temperature: float):
     return logits if temperature == 1.0 else logits / temperature
 
 
+def _input_embedding(model):
+    """The model's input embedding module, or None where it names none."""
+    try:
+        return _unwrap(model).get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
 def critic_values(critic, batch: dict):
     """V(s_t) for the state before each response token -> [B, R]."""
     if ulysses.size() > 1:
@@ -281,7 +290,8 @@ def critic_values(critic, batch: dict):
     packed = _packed(critic, batch)
     W = batch["input_ids"].shape[1]
     read = packed.response_index if packed is not None else torch.arange(W - R - 1, W - 1, device=batch["input_ids"].device)
-    out = _forward(critic, batch, packed, _rows_of(batch, packed, read))
+    with own_lookup(_input_embedding(critic)):   # its gradient into grad_blocks' block
+        out = _forward(critic, batch, packed, _rows_of(batch, packed, read))
     if packed is not None:
         return out.logits[0, packed.response_index, 0].float()                    # [B, R]
     return out.logits[:, -R - 1:-1, 0].float()                                    # [B, R]
