@@ -1,6 +1,7 @@
 """Build the W3 benchmark's tokenizer, models and prompts (docs/benchmarks.md), offline and seeded.
 
     python scripts/make_w3.py [--out runs/w3_assets]      # about 10-15 s on 2 CPU cores
+    python scripts/make_w3.py --shape wide --out runs/wide_assets   # the held-out-like wide shape, about 25 s
 
 Writes
   <out>/policy    Qwen2 (hidden 256, intermediate 768, 4 layers, 4 heads, 2 KV heads, 512 positions,
@@ -54,6 +55,16 @@ LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
 
 W3_SHAPE = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+# --shape wide: a held-out-like shape (docs/benchmarks.md): twice the vocabulary (from twice the word
+# types, so that BPE finds the merges) and a model twice as wide, otherwise W3's construction
+WIDE = dict(VOCAB_SIZE=65536, N_WORD_TYPES=64000, CORPUS_WORDS=1_500_000,
+            W3_SHAPE=dict(W3_SHAPE, vocab_size=65536, hidden_size=512, intermediate_size=1536,
+                          num_attention_heads=8, num_key_value_heads=4))
+
+
+def use_wide_shape() -> None:
+    """The module's sizes set to WIDE's (a script's one run)."""
+    globals().update(WIDE)
 
 
 def make_words(rng: np.random.Generator) -> list[str]:
@@ -134,7 +145,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="runs/w3_assets")
     parser.add_argument("--prompts", type=int, default=2048)
+    parser.add_argument("--shape", choices=("w3", "wide"), default="w3",
+                        help="wide: a 65,536-token vocabulary and hidden 512 (a held-out-like shape)")
     args = parser.parse_args()
+    if args.shape == "wide":
+        use_wide_shape()
     out = Path(args.out)
     start = time.perf_counter()
     rng = np.random.default_rng(SEED)
