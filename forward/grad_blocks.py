@@ -16,9 +16,10 @@ Where the gradient is made here (head_logprobs' weight block, the lookup in head
 tied_lookup / own_lookup), the next step's block is the last step's, zeroed in cache-warm pages, and
 autograd takes it as the parameter's .grad as before (nothing else holds it then). The numbers are the
 same: a block of zeros either way. Between an optimizer step and the next backward the kept block is
-resident where the freed one was not (one block a model, during one micro-batch's forward): peak RSS
-of that run 2.24 / 2.24 -> 2.24 / 2.24 GB. Off the CPU nothing is kept (the CUDA caching allocator
-reuses its blocks anyway).
+resident where the freed one was not (one block a model, during one micro-batch's forward): that
+run's peak RSS 2.242-2.260 -> 2.242-2.285 GB (4 runs each), its step 27.18 -> 26.31 s (pooled
+medians), page faults 2.2M -> 0.85M in 3 steps. Off the CPU nothing is kept (the CUDA caching
+allocator reuses its blocks anyway).
 """
 import sys
 import weakref
